@@ -1,0 +1,8 @@
+"""inflight: continuous batching over a paged KV cache, readable end to end."""
+
+from inflight.entrypoints.llm import LLM
+from inflight.outputs import CompletionOutput, RequestOutput
+from inflight.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

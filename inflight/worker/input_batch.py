@@ -1,0 +1,108 @@
+"""Turn a ``SchedulerOutput`` into the flat tensors one forward pass needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from inflight.attention.metadata import AttentionMetadata, SequenceGroup
+from inflight.core.interface import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata
+    # Flat index of the last token of every sequence that samples this step.
+    logits_indices: torch.Tensor  # [N]
+    sampled: list[ScheduledRequest]  # the N sequences, in logits order
+
+
+def build_model_inputs(
+    scheduler_output: SchedulerOutput, block_size: int, device: torch.device
+) -> ModelInputs:
+    items = scheduler_output.scheduled
+    lengths = np.fromiter((s.num_tokens for s in items), dtype=np.int64, count=len(items))
+    starts = np.fromiter((s.start_position for s in items), dtype=np.int64, count=len(items))
+    query_start = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=query_start[1:])
+    total = int(query_start[-1])
+
+    input_ids = np.fromiter(
+        (t for s in items for t in s.token_ids), dtype=np.int64, count=total
+    )
+    # position of each token: its sequence's start + offset within the chunk
+    seq_of_token = np.repeat(np.arange(len(items)), lengths)
+    positions = starts[seq_of_token] + (np.arange(total) - query_start[seq_of_token])
+
+    block_tables = _pad_block_tables(items)
+    block_of_token = block_tables[seq_of_token, positions // block_size]
+    slot_mapping = block_of_token * block_size + positions % block_size
+
+    is_decode = lengths == 1
+    groups = {}
+    for name, chosen in (("decode", np.nonzero(is_decode)[0]), ("prefill", np.nonzero(~is_decode)[0])):
+        groups[name] = (
+            _sequence_group(chosen, lengths, starts, query_start, block_tables, block_size, device)
+            if len(chosen) else None
+        )
+
+    sampled = [s for s in items if s.sample]
+    logits_indices = np.array(
+        [query_start[i + 1] - 1 for i, s in enumerate(items) if s.sample], dtype=np.int64
+    )
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
+    return ModelInputs(
+        input_ids=to_device(input_ids),
+        positions=to_device(positions),
+        attention=AttentionMetadata(
+            slot_mapping=to_device(slot_mapping), decode=groups["decode"], prefill=groups["prefill"]
+        ),
+        logits_indices=to_device(logits_indices),
+        sampled=sampled,
+    )
+
+
+def _pad_block_tables(items: list[ScheduledRequest]) -> np.ndarray:
+    width = max(len(s.block_ids) for s in items)
+    table = np.zeros((len(items), width), dtype=np.int64)
+    for row, s in enumerate(items):
+        table[row, : len(s.block_ids)] = s.block_ids
+    return table
+
+
+def _sequence_group(
+    chosen: np.ndarray, lengths: np.ndarray, starts: np.ndarray, query_start: np.ndarray,
+    block_tables: np.ndarray, block_size: int, device: torch.device,
+) -> SequenceGroup:
+    q_lens = lengths[chosen]
+    max_q = int(q_lens.max())
+    context_lens = starts[chosen] + q_lens
+    num_blocks = int(-(-context_lens.max() // block_size))
+    max_kv = num_blocks * block_size
+
+    offsets = np.arange(max_q)
+    valid = offsets[None, :] < q_lens[:, None]  # [S, max_q]
+    token_index = np.where(valid, query_start[chosen][:, None] + offsets[None, :], 0)
+    q_positions = starts[chosen][:, None] + offsets[None, :]  # [S, max_q]
+    key_positions = np.arange(max_kv)
+    # causal over cached prefix + chunk; padded query rows may see key 0 (avoids NaN)
+    mask = key_positions[None, None, :] <= q_positions[:, :, None]
+    mask[~valid] = False
+    mask[..., 0] = True
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+    return SequenceGroup(
+        token_index=to_device(token_index),
+        valid=to_device(valid),
+        block_tables=to_device(block_tables[chosen, :num_blocks]),
+        mask=to_device(mask[:, None, :, :]),
+    )

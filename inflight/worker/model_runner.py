@@ -1,0 +1,43 @@
+"""Runs one step of the model over a ``SchedulerOutput``; knows nothing of queues.
+
+execute_model: build flat inputs -> forward over all scheduled tokens (paged attention)
+-> logits only at each sampling sequence's last token -> batched sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inflight.core.interface import ModelRunnerOutput, SchedulerOutput
+from inflight.model.llama import LlamaForCausalLM
+from inflight.worker.input_batch import build_model_inputs
+from inflight.worker.kv_cache import allocate_kv_cache
+from inflight.worker.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+        device: torch.device, kv_dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(model.arch, num_blocks, block_size, kv_dtype, device)
+        self.sampler = Sampler(device)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.sampler.forget(scheduler_output.finished_request_ids)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        inputs = build_model_inputs(scheduler_output, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+        if not inputs.sampled:
+            return ModelRunnerOutput(sampled_token_ids={})
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        request_ids = [s.request_id for s in inputs.sampled]
+        tokens = self.sampler.sample(
+            logits, request_ids, [s.sampling_params for s in inputs.sampled]
+        )
+        return ModelRunnerOutput(sampled_token_ids=dict(zip(request_ids, tokens, strict=True)))

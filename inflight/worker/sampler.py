@@ -1,0 +1,90 @@
+"""Batched sampling from the logits of the sequences that sample this step.
+
+Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
+draw with the exponential-race trick (argmax of p / Exp(1) noise), which is one batched
+op; rows with a ``seed`` draw their noise from their own generator so their tokens do
+not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inflight.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> list[int]:
+        """logits: [N, V] float32, one row per sampled sequence. Returns N token ids."""
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            chosen = self._sample_random(
+                logits[rows],
+                [request_ids[i] for i in random_rows],
+                [params[i] for i in random_rows],
+            )
+            tokens[rows] = chosen
+        return tokens.tolist()
+
+    def _sample_random(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temperature.unsqueeze(1)
+        logits = _apply_top_k(logits, [p.top_k for p in params])
+        probs = logits.softmax(dim=-1)
+        probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
+        noise = torch.empty_like(probs).exponential_()
+        for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
+            if p.seed is not None:
+                noise[row].exponential_(generator=self._generator(request_id, p.seed))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._generators[request_id] = generator
+        return generator
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if all(k == vocab for k in ks):
+        return logits
+    k_tensor = torch.tensor(ks, device=logits.device)
+    top_values = logits.topk(max(ks), dim=-1).values
+    threshold = top_values.gather(1, (k_tensor - 1).unsqueeze(1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_p_min_p(
+    probs: torch.Tensor, top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
+    if any(p < 1.0 for p in top_p):
+        p_tensor = torch.tensor(top_p, device=probs.device).unsqueeze(1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep a token if the mass strictly before it is below top_p (the first always stays)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= p_tensor
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if any(p > 0.0 for p in min_p):
+        m_tensor = torch.tensor(min_p, device=probs.device).unsqueeze(1)
+        floor = probs.max(dim=-1, keepdim=True).values * m_tensor
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs

