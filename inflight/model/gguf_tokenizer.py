@@ -76,12 +76,12 @@ def _byte_level_bpe(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
     # is a llama.cpp mislabel that would grow the vocabulary, so (like transformers) skip it.
     control = [
         AddedToken(tok, normalized=False, special=True)
-        for tok, kind in zip(tokens, token_types)
+        for tok, kind in zip(tokens, token_types, strict=False)
         if kind == _CONTROL and set(tok) <= spelled
     ]
     user_defined = [
         AddedToken(tok, normalized=False, special=False)
-        for tok, kind in zip(tokens, token_types)
+        for tok, kind in zip(tokens, token_types, strict=False)
         if kind == _USER_DEFINED and tok in vocab
     ]
     backend.add_special_tokens(control)

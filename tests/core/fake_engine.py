@@ -58,6 +58,8 @@ class FakeRunner:
             assert item.request_id not in seen, f"{item.request_id} scheduled twice in a step"
             seen.add(item.request_id)
             assert item.token_ids, f"{item.request_id} scheduled with no tokens"
+            if not item.is_prefill:  # a decode is exactly one token, then a sample
+                assert item.num_tokens == 1 and item.sample, f"{item.request_id}: bad decode"
             history = self.histories.setdefault(item.request_id, {})
             assert item.start_position == len(history), (
                 f"{item.request_id}: chunk starts at {item.start_position} but the cache "
@@ -82,8 +84,9 @@ class FakeRunner:
 class StepRecord:
     output: SchedulerOutput
     updates: list[RequestUpdate]
-    # Running request ids (in order) just before schedule() was called.
+    # Running and waiting request ids (in order) just before schedule() was called.
     running_before: list[str]
+    waiting_before: list[str]
     # Request ids that entered the running list in this step.
     admitted: list[str]
     # The waiting queue's order right after schedule().
@@ -150,6 +153,7 @@ def drive(
         assert step < max_steps, f"no end after {max_steps} steps"
 
         running_before = [r.request_id for r in scheduler.running]
+        waiting_before = [r.request_id for r in scheduler.waiting]
         had_work = scheduler.has_unfinished_requests()
         output = scheduler.schedule()
         waiting_after = [r.request_id for r in scheduler.waiting]
@@ -183,6 +187,7 @@ def drive(
             output=output,
             updates=updates,
             running_before=running_before,
+            waiting_before=waiting_before,
             admitted=admitted,
             waiting_after=waiting_after,
         )

@@ -18,7 +18,7 @@ from inflight.config import SchedulerConfig
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.scheduler import Scheduler
 
-NUM_TRIALS = 200
+NUM_TRIALS = 400
 
 
 def blocks_for(spec: Spec, max_model_len: int, block_size: int) -> int:
@@ -80,6 +80,54 @@ def check_victims(record: StepRecord, policy: str, priority_of: dict[str, tuple]
         assert victim not in {s.request_id for s in record.output.scheduled}
 
 
+def check_work_conserving(record: StepRecord, budget: int) -> None:
+    """A running request is left out of a step only when the token budget is used up."""
+    scheduled = {s.request_id for s in record.output.scheduled}
+    preempted = set(record.output.preempted_request_ids)
+    idle = [r for r in record.running_before if r not in scheduled and r not in preempted]
+    # A chunk that stops short of the request's end was cut by the budget. (Not checked
+    # in a step that preempted: like vLLM, a chunk sized before a preemption gave budget
+    # back is not regrown.)
+    if not preempted:
+        idle += [s.request_id for s in record.output.scheduled if not s.sample]
+    if idle:
+        assert record.output.num_batched_tokens == budget, (
+            f"{idle} got less than they need with {budget - record.output.num_batched_tokens} "
+            "tokens of budget left"
+        )
+
+
+def check_admission_order(record: StepRecord, batching: str) -> None:
+    """Waiting requests are admitted strictly in queue order: no one jumps the head."""
+    if batching == "continuous":
+        assert record.admitted == record.waiting_before[: len(record.admitted)]
+    else:
+        order = [rid for rid in record.waiting_before if rid in record.admitted]
+        assert record.admitted == order
+
+
+class StaticBatchTracker:
+    """Static batching: a new batch starts only when every member of the last one ended."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.batch: set[str] = set()
+        self.seen: set[str] = set()
+
+    def observe(self, record: StepRecord, result_ended: set[str]) -> None:
+        for rid in record.admitted:
+            if rid in self.seen:
+                assert rid in self.batch, f"{rid} re-admitted outside its batch"
+                continue
+            self.seen.add(rid)
+            if self.batch <= result_ended:
+                self.batch = set()
+            self.batch.add(rid)
+            assert len(self.batch) <= self.max_num_seqs, (
+                f"{rid} joined a static batch whose members {sorted(self.batch)} are not all done"
+            )
+
+
 def run_trial(seed: int) -> DriveResult:
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
@@ -113,9 +161,21 @@ def run_trial(seed: int) -> DriveResult:
             target.setdefault(step, []).append(spec.request_id)
 
     priority_of = {s.request_id: (s.priority, s.arrival_time) for s in specs}
+    tracker = StaticBatchTracker(config.max_num_seqs)
+    ended: set[str] = set()
 
     def observe(step: int, sched: Scheduler, record: StepRecord) -> None:
         check_victims(record, policy, priority_of)
+        check_admission_order(record, config.batching)
+        check_work_conserving(record, budget)
+        if policy == "priority":
+            keys = [priority_of[rid] for rid in record.waiting_after]
+            assert keys == sorted(keys), "the waiting queue is not in priority order"
+        # Requests aborted before this step are reported in its finished_request_ids.
+        ended.update(record.output.finished_request_ids)
+        if config.batching == "static":
+            tracker.observe(record, ended)
+        ended.update(u.request_id for u in record.updates if u.finished)
         if not chunked:
             for item in record.output.scheduled:
                 assert item.sample, "a prompt was chunked with chunked prefill off"

@@ -352,3 +352,33 @@ def test_continuous_batching_refills_at_once() -> None:
     assert result.first_scheduled_step("r7") == 100
     assert result.num_steps == 500
     assert runs["static"].num_steps == 550  # the second batch waits for the 500-step request
+
+
+def test_static_batch_waits_for_a_preempted_member() -> None:
+    """A preempted member stays in its batch: it comes back before any newcomer joins."""
+    specs = [
+        Spec("a", prompt(8, 1), max_tokens=16, ignore_eos=True),
+        Spec("b", prompt(8, 2), max_tokens=16, ignore_eos=True),
+        Spec("c", prompt(4, 3), max_tokens=3, ignore_eos=True),
+    ]
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=2, batching="static")
+    result = run_specs(scheduler, specs)
+    assert scheduler.num_preemptions > 0
+    assert len(result.admit_steps["b"]) > 1  # b was preempted and re-admitted
+    assert result.first_scheduled_step("c") == result.finish_step["b"] + 1
+    assert_matches_reference(result, specs)
+
+
+def test_token_of_an_aborted_request_never_reaches_a_new_one_with_its_id() -> None:
+    scheduler = make_scheduler()
+    old = Spec("x", prompt(4), max_tokens=5).make()
+    scheduler.add_request(old)
+    output = scheduler.schedule()
+    runner_output = FakeRunner().execute(output)
+    scheduler.abort_request("x")
+    new = Spec("x", prompt(6, 1), max_tokens=5).make()
+    scheduler.add_request(new)  # a client retry with the same id, while the step ran
+    updates = scheduler.update_from_output(output, runner_output)
+    assert updates == []
+    assert new.output_token_ids == [] and new.num_computed_tokens == 0
+    scheduler.check_invariants()

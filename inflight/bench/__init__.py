@@ -1,0 +1,1 @@
+"""Benchmarks (offline throughput, online serving) and schedule pictures."""

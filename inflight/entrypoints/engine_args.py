@@ -1,0 +1,51 @@
+"""Engine options on the command line, shared by every subcommand that builds an engine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from inflight.config import (
+    BATCHING_MODES,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_SEQS,
+    SCHEDULING_POLICIES,
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    else:
+        parser.add_argument("--model", default=None,
+                            help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false", default=True)
+    group.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
+    group.add_argument("--batching", default="continuous", choices=list(BATCHING_MODES),
+                       help="continuous (default) or the static-batching baseline")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM/LLMEngine keyword options named by ``add_engine_args``."""
+    options: dict[str, Any] = dict(
+        dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy, batching=args.batching,
+    )
+    if args.kv_cache_memory_bytes is not None:
+        options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    return options

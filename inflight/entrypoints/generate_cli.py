@@ -1,0 +1,45 @@
+"""``inflight generate "PROMPT"``: one-shot generation, text printed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from inflight.entrypoints.engine_args import add_engine_args
+
+    parser = subparsers.add_parser("generate", help="generate a continuation of one or more prompts")
+    parser.add_argument("prompts", nargs="+", help="prompt text (several run as one batch)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap each prompt as a user message in the model's chat template")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--trace", metavar="JSONL", default=None,
+                        help="write the step trace to this file")
+    add_engine_args(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from inflight import LLM, SamplingParams
+    from inflight.entrypoints.engine_args import engine_options
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, record_trace=args.trace is not None, **engine_options(args))
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for output in outputs:
+        print(output.outputs[0].text)
+    if args.trace:
+        llm.step_trace.write_jsonl(args.trace)
+    return 0
