@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # llama.cpp ``tokenizer.ggml.pre`` values for which transformers uses plain GPT-2 byte-level
 # pre-tokenisation (no extra split regex), so our direct build reproduces it exactly. Other
@@ -30,6 +30,9 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: str) -> PreTrainedToken
     pre = metadata.get("tokenizer.ggml.pre")
     if model == "gpt2" and pre in _GPT2_REGEX_PRE_TYPES:
         return _byte_level_bpe(metadata)
+    # Imported here: AutoTokenizer's import alone costs ~0.3 s the fast path does not need.
+    from transformers import AutoTokenizer
+
     directory, name = os.path.split(os.path.abspath(path))
     return AutoTokenizer.from_pretrained(directory, gguf_file=name)
 

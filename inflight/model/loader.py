@@ -43,9 +43,11 @@ def load_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:
     # Format-specific modules are imported on demand so each path only pays for its own.
     if target.is_dir():
         if not (target / "config.json").is_file():
+            ggufs = sorted(p.name for p in target.glob("*.gguf"))
+            hint = f" (to load a GGUF file in it, pass its path, e.g. {ggufs[0]})" if ggufs else ""
             raise ValueError(
                 f"{target} is a directory without config.json; expected a Hugging Face model "
-                "directory (config.json + *.safetensors + tokenizer files) or a .gguf file"
+                f"directory (config.json + *.safetensors + tokenizer files) or a .gguf file{hint}"
             )
         from inflight.model.hf_loader import load_hf_directory
 

@@ -164,6 +164,9 @@ def drive(
         assert len(scheduler.running) <= config.max_num_seqs
         if had_work:
             assert not output.is_empty, f"step {step}: requests are left but nothing ran"
+        slots = [s.slot for s in output.scheduled]
+        assert len(set(slots)) == len(slots), f"step {step}: two requests in one slot"
+        assert all(0 <= slot < config.max_num_seqs for slot in slots)
         before = set(running_before)
         admitted = [s.request_id for s in output.scheduled if s.request_id not in before]
         for request_id in admitted:
@@ -175,6 +178,9 @@ def drive(
                 result.aborted.add(request_id)
         updates = scheduler.update_from_output(output, runner_output)
         scheduler.check_invariants()
+        if config.batching == "continuous":  # a slot is held exactly while running
+            held = {owner for owner in scheduler.slots.owners if owner is not None}
+            assert held == {r.request_id for r in scheduler.running}, f"step {step}: slots"
 
         for update in updates:
             assert update.request_id not in result.finish_reasons, "update after finish"

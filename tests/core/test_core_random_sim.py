@@ -12,7 +12,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from fake_engine import DriveResult, Spec, StepRecord, assert_matches_reference, reference_output
+from fake_engine import (
+    DriveResult,
+    Spec,
+    StepRecord,
+    assert_matches_reference,
+    drive,
+    reference_output,
+)
 
 from inflight.config import SchedulerConfig
 from inflight.core.kv_cache_manager import KVCacheManager
@@ -179,8 +186,6 @@ def run_trial(seed: int) -> DriveResult:
         if not chunked:
             for item in record.output.scheduled:
                 assert item.sample, "a prompt was chunked with chunked prefill off"
-
-    from fake_engine import drive
 
     result = drive(
         scheduler,

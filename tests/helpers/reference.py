@@ -23,6 +23,9 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> Refere
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         output_scores=True, return_dict_in_generate=True,
     )
+    # generate() merges the model's own generation config (which names EOS) into ours;
+    # clear it so that, like ignore_eos=True, every run makes exactly max_new_tokens.
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
         result = model.generate(
             torch.tensor([prompt_token_ids]), generation_config=config,

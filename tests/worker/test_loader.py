@@ -211,7 +211,8 @@ def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 def _write_gguf(path: Path, model: torch.nn.Module, qtype: QT, arch: str = "llama",
-                extra_tensors: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+                extra_tensors: dict[str, np.ndarray] | None = None,
+                pre: str = "smollm") -> dict[str, torch.Tensor]:
     """Write ``model`` as llama.cpp would; return, per HF name, exactly what a correct loader
     must read back (the stored, possibly quantised, values with llama.cpp's row order undone)."""
     cfg = model.config
@@ -227,7 +228,7 @@ def _write_gguf(path: Path, model: torch.nn.Module, qtype: QT, arch: str = "llam
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     tokens, types, merges = _tiny_vocab()
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -335,6 +336,19 @@ def test_gguf_tiny_tokenizer_matches_transformers(tmp_path):
     # This file asks for BOS: both must prepend it, and keep merges / user-defined tokens whole.
     assert ours.encode(" the <think>")[:2] == [260, 258]
     assert 262 in ours.encode("<think>", add_special_tokens=False)
+
+
+def test_gguf_other_pre_tokenizer_falls_back_to_transformers(tmp_path):
+    # llama-bpe splits text with a different regex than GPT-2's; the fast path must not claim it.
+    path = tmp_path / "llama3.gguf"
+    _write_gguf(path, _tiny_llama(), QT.F32, pre="llama-bpe")
+    ours = load_checkpoint(path).tokenizer
+    reference = _hf_gguf_tokenizer(str(path))
+    text = SAMPLES[8]  # "numbers 1234567890 ...": llama-bpe groups digits by three
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.backend_tokenizer.pre_tokenizer.__getstate__() == (
+        reference.backend_tokenizer.pre_tokenizer.__getstate__()
+    )
 
 
 # ------------------------------------------------------------------- HF directories

@@ -1,0 +1,136 @@
+"""One timed benchmark run of inflight's offline engine, and running any run in isolation.
+
+This module owns how a workload goes through ``LLM.generate`` for measuring: greedy,
+EOS ignored, every request's ``max_tokens`` from the workload, the step trace on, a short
+untimed warm-up first (the first steps pay one-off allocation costs that would otherwise
+land on whichever policy runs first), and the check that every request produced
+exactly its ``max_tokens`` tokens before any number is reported.
+
+:func:`run_isolated` runs a benchmark function in a fresh spawned Python process, so that
+each run's peak RSS is its own and no run inherits another's heap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from typing import Any, TypeVar
+
+from inflight.bench.report import (
+    BenchReport,
+    Distribution,
+    RequestLatency,
+    peak_rss_mib,
+    request_latency,
+    slot_steps,
+)
+from inflight.bench.workloads import Workload, fit_to_vocab
+from inflight.engine.step_trace import StepRecord
+
+WARMUP_PROMPT_LEN = 16
+WARMUP_MAX_TOKENS = 4
+
+T = TypeVar("T")
+
+
+@dataclass
+class RunResult:
+    """A report, the step trace it was computed from, and whether ids were folded."""
+
+    report: BenchReport
+    records: list[StepRecord]
+    folded_token_ids: bool = False
+
+
+def summarise(
+    label: str, engine: str, batching: str, workload: Workload, wall_time_s: float,
+    records: list[StepRecord], max_num_seqs: int, num_preemptions: int,
+    latencies: list[RequestLatency], options: dict[str, Any],
+) -> BenchReport:
+    """The report fields every engine shares, from a finished run."""
+    return BenchReport(
+        label=label, engine=engine, batching=batching, workload=workload.name,
+        num_requests=len(workload.requests), num_prompt_tokens=workload.num_prompt_tokens,
+        num_output_tokens=workload.num_output_tokens, wall_time_s=wall_time_s,
+        num_steps=len(records), num_preemptions=num_preemptions, max_num_seqs=max_num_seqs,
+        slots=slot_steps(records, max_num_seqs), peak_rss_mib=peak_rss_mib(),
+        ttft=Distribution.of([x.ttft_s for x in latencies]),
+        tpot=Distribution.of([x.tpot_s for x in latencies if x.tpot_s is not None]),
+        options=options, requests=latencies,
+    )
+
+
+def run_inflight(
+    workload: Workload, model: str | None, options: dict[str, Any], *,
+    warmup: bool = True, use_tqdm: bool = False,
+) -> RunResult:
+    """Run ``workload`` through ``LLM.generate`` once, timed, with the step trace on."""
+    from inflight import LLM, SamplingParams
+
+    llm = LLM(model, **{**options, "record_trace": True})
+    engine = llm.llm_engine
+    workload, folded = fit_to_vocab(workload, engine.vocab_size)
+    _check_fits(workload, engine.max_model_len)
+    if warmup:
+        ids = [r.prompt_token_ids[0] for r in workload.requests[:1]] * WARMUP_PROMPT_LEN
+        warm = SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": ids}], warm, use_tqdm=False)
+        llm.step_trace.clear()
+    preemptions_before = engine.scheduler.num_preemptions
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+        for r in workload.requests
+    ]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+    wall = time.perf_counter() - started
+
+    latencies = []
+    for request, output in zip(workload.requests, outputs, strict=True):
+        produced = len(output.outputs[0].token_ids)
+        if produced != request.max_tokens:  # a benchmark of the wrong work is worthless
+            raise RuntimeError(
+                f"request {request.id} produced {produced} tokens, expected {request.max_tokens}"
+            )
+        m = output.metrics
+        assert m is not None and m.first_token_time is not None and m.finished_time is not None
+        latencies.append(request_latency(
+            str(request.id), len(request.prompt_token_ids), produced, m.arrival_time,
+            m.first_token_time, m.finished_time,
+        ))
+    batching = options.get("batching", "continuous")
+    config = engine.config
+    records = list(llm.step_trace.records)
+    report = summarise(
+        f"inflight {batching}", "inflight", batching, workload, wall, records,
+        config.scheduler.max_num_seqs, engine.scheduler.num_preemptions - preemptions_before,
+        latencies,
+        {
+            "model": engine.model_path, "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device), "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "block_size": config.cache.block_size, "num_kv_blocks": engine.kv_cache.num_blocks,
+            "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
+        },
+    )
+    return RunResult(report, records, folded)
+
+
+def _check_fits(workload: Workload, max_model_len: int) -> None:
+    for r in workload.requests:
+        if len(r.prompt_token_ids) + r.max_tokens > max_model_len:
+            raise ValueError(
+                f"request {r.id} needs {len(r.prompt_token_ids)} + {r.max_tokens} tokens, more "
+                f"than the model's max_model_len={max_model_len}"
+            )
+
+
+def run_isolated(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a fresh spawned process; exceptions come back raised."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()

@@ -1,0 +1,86 @@
+"""Bad requests raise clear errors and never disturb the requests already running."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflight import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+GOOD_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], list(range(10, 60))]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), max_model_len=128, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    outs = llm.generate([{"prompt_token_ids": p} for p in GOOD_PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+BAD_REQUESTS = {
+    "empty prompt": ({"prompt_token_ids": []}, GREEDY, "empty"),
+    "prompt over max_model_len": ({"prompt_token_ids": [5] * 129}, GREEDY, "max_model_len"),
+    "token id outside vocabulary": ({"prompt_token_ids": [5, 99999]}, GREEDY, "vocabulary"),
+    "not a prompt": (3.5, GREEDY, "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_rejected_while_others_run(llm, expected, case):
+    engine = llm.llm_engine
+    for i, prompt in enumerate(GOOD_PROMPTS):
+        engine.add_request(f"good-{case}-{i}", {"prompt_token_ids": prompt}, GREEDY)
+    engine.step()  # the good requests are mid-flight
+
+    prompt, params, message = BAD_REQUESTS[case]
+    with pytest.raises((ValueError, TypeError), match=message):
+        engine.add_request(f"bad-{case}", prompt, params)
+
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out.outputs[0].token_ids
+    assert [finished[f"good-{case}-{i}"] for i in range(len(GOOD_PROMPTS))] == expected
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(bogus_field=1), "unknown sampling field"),
+        (dict(n=2), "n > 1"),
+    ],
+)
+def test_bad_sampling_params_raise(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams.from_dict(options)
+
+
+def test_generate_rejects_whole_call_without_running_any(llm, expected):
+    prompts = [{"prompt_token_ids": GOOD_PROMPTS[0]}, {"prompt_token_ids": [5] * 500}]
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    # and the engine still serves
+    outs = llm.generate([{"prompt_token_ids": p} for p in GOOD_PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_unknown_engine_option_raises(tiny_llama_dir):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(str(tiny_llama_dir), max_num_seq=4)
+
+
+def test_missing_model_raises_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "no-such-model"))
