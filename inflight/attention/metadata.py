@@ -4,9 +4,14 @@ The step's tokens are one flat batch of ``T`` tokens from ``S`` sequences, each 
 contiguous run (a prompt chunk or a single decode token)::
 
     tokens:          | seq 0 chunk (5) | seq 1 (1) | seq 2 (1) |
-    query_start_loc: [0,               5,          6,          7]
+    query_start:     [0,               5,          6,          7]
     seq_lens:        context length of each sequence *after* this step's tokens
     slot_mapping[t]: block_table[pos_t // block_size] * block_size + pos_t % block_size
+
+Sequences are served in two groups so that decode tokens never pay for the padding of a
+long prompt chunk: decode tokens go to the varlen kernel (:class:`VarlenGroup`) when the
+C++ backend is available, prompt chunks to padded scaled-dot-product attention
+(:class:`PaddedGroup`).
 """
 
 from __future__ import annotations
@@ -17,17 +22,8 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
-    # Sequences are split in two groups so that decode tokens never pay for the
-    # padding of a long prompt chunk.
-    decode: SequenceGroup | None
-    prefill: SequenceGroup | None
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceGroup:
-    """A set of sequences attended to in one padded call.
+class PaddedGroup:
+    """Sequences attended to in one padded SDPA call.
 
     ``token_index[s, i]`` is the flat index of the i-th query token of sequence s (padding
     points at token 0 and is masked); ``mask[s, 0, i, j]`` says query i may see key j.
@@ -37,3 +33,20 @@ class SequenceGroup:
     valid: torch.Tensor  # [S, max_q] bool: real (not padding) query tokens
     block_tables: torch.Tensor  # [S, max_blocks] int64
     mask: torch.Tensor  # [S, 1, max_q, max_blocks * block_size] bool
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenGroup:
+    """Sequences attended to by the varlen paged kernel, reading K/V in place."""
+
+    token_index: torch.Tensor | None  # [N] int64 flat indices; None means all T tokens
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    query_start: torch.Tensor  # [S + 1] int32, offsets into the group's tokens
+    seq_lens: torch.Tensor  # [S] int32
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
+    decode: PaddedGroup | VarlenGroup | None
+    prefill: PaddedGroup | VarlenGroup | None

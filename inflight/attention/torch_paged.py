@@ -1,14 +1,14 @@
-"""Reference paged attention in plain PyTorch.
+"""Paged attention over a step's groups of sequences.
 
 KV cache layout, one tensor pair per layer::
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     flat view:        [num_blocks * block_size, num_kv_heads, head_dim]  (index = slot)
 
-Each step writes the new tokens' K/V at their slots, then every sequence gathers its
-whole context through its block table and runs scaled-dot-product attention with a
-causal mask over (cached prefix + this chunk). Sequences are batched with padding, one
-call for all decode tokens and one for all prompt chunks.
+Each step first writes the new tokens' K/V at their slots. Then each group of sequences
+is served by one call: a :class:`VarlenGroup` by the C++ kernel that walks block tables in
+place; a :class:`PaddedGroup` by gathering every sequence's context through its block
+table and running padded scaled-dot-product attention with a causal mask.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inflight.attention.metadata import AttentionMetadata, SequenceGroup
+from inflight.attention import cpu_kernels
+from inflight.attention.metadata import AttentionMetadata, PaddedGroup, VarlenGroup
 
 
 def write_kv(
@@ -24,8 +25,8 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -37,14 +38,31 @@ def paged_attention(
     write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
     out = torch.empty_like(q)
     for group in (metadata.decode, metadata.prefill):
-        if group is not None:
-            _attend_group(q, k_cache, v_cache, group, scale, out)
+        if isinstance(group, VarlenGroup):
+            _attend_varlen(q, k_cache, v_cache, group, scale, out)
+        elif isinstance(group, PaddedGroup):
+            _attend_padded(q, k_cache, v_cache, group, scale, out)
     return out
 
 
-def _attend_group(
+def _attend_varlen(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    group: SequenceGroup, scale: float, out: torch.Tensor,
+    group: VarlenGroup, scale: float, out: torch.Tensor,
+) -> None:
+    q_group = q if group.token_index is None else q[group.token_index]
+    result = cpu_kernels.paged_attention(
+        q_group.float().contiguous(), k_cache, v_cache, group.block_tables,
+        group.query_start, group.seq_lens, scale,
+    ).to(q.dtype)
+    if group.token_index is None:
+        out.copy_(result)
+    else:
+        out[group.token_index] = result
+
+
+def _attend_padded(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    group: PaddedGroup, scale: float, out: torch.Tensor,
 ) -> None:
     num_seqs, max_blocks = group.block_tables.shape
     block_size = k_cache.shape[1]
@@ -54,7 +72,7 @@ def _attend_group(
     keys = k_cache[group.block_tables].reshape(num_seqs, max_blocks * block_size, *k_cache.shape[2:])
     values = v_cache[group.block_tables].reshape(keys.shape)
     attn = F.scaled_dot_product_attention(
-        q_padded, keys.transpose(1, 2), values.transpose(1, 2),
+        q_padded, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
         attn_mask=group.mask, scale=scale, enable_gqa=True,
     )
     flat_index = group.token_index[group.valid]

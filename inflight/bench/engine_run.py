@@ -46,26 +46,46 @@ class RunResult:
 
 
 def summarise(
-    label: str, engine: str, batching: str, workload: Workload, wall_time_s: float,
-    records: list[StepRecord], max_num_seqs: int, num_preemptions: int,
-    latencies: list[RequestLatency], options: dict[str, Any],
+    label: str,
+    engine: str,
+    batching: str,
+    workload: Workload,
+    wall_time_s: float,
+    records: list[StepRecord],
+    max_num_seqs: int,
+    num_preemptions: int,
+    latencies: list[RequestLatency],
+    options: dict[str, Any],
 ) -> BenchReport:
     """The report fields every engine shares, from a finished run."""
     return BenchReport(
-        label=label, engine=engine, batching=batching, workload=workload.name,
-        num_requests=len(workload.requests), num_prompt_tokens=workload.num_prompt_tokens,
-        num_output_tokens=workload.num_output_tokens, wall_time_s=wall_time_s,
-        num_steps=len(records), num_preemptions=num_preemptions, max_num_seqs=max_num_seqs,
-        slots=slot_steps(records, max_num_seqs), peak_rss_mib=peak_rss_mib(),
+        label=label,
+        engine=engine,
+        batching=batching,
+        workload=workload.name,
+        num_requests=len(workload.requests),
+        num_prompt_tokens=workload.num_prompt_tokens,
+        num_output_tokens=workload.num_output_tokens,
+        wall_time_s=wall_time_s,
+        num_steps=len(records),
+        num_preemptions=num_preemptions,
+        max_num_seqs=max_num_seqs,
+        slots=slot_steps(records, max_num_seqs),
+        peak_rss_mib=peak_rss_mib(),
         ttft=Distribution.of([x.ttft_s for x in latencies]),
         tpot=Distribution.of([x.tpot_s for x in latencies if x.tpot_s is not None]),
-        options=options, requests=latencies,
+        options=options,
+        requests=latencies,
     )
 
 
 def run_inflight(
-    workload: Workload, model: str | None, options: dict[str, Any], *,
-    warmup: bool = True, use_tqdm: bool = False,
+    workload: Workload,
+    model: str | None,
+    options: dict[str, Any],
+    *,
+    warmup: bool = True,
+    use_tqdm: bool = False,
 ) -> RunResult:
     """Run ``workload`` through ``LLM.generate`` once, timed, with the step trace on."""
     from inflight import LLM, SamplingParams
@@ -99,22 +119,37 @@ def run_inflight(
             )
         m = output.metrics
         assert m is not None and m.first_token_time is not None and m.finished_time is not None
-        latencies.append(request_latency(
-            str(request.id), len(request.prompt_token_ids), produced, m.arrival_time,
-            m.first_token_time, m.finished_time,
-        ))
+        latencies.append(
+            request_latency(
+                str(request.id),
+                len(request.prompt_token_ids),
+                produced,
+                m.arrival_time,
+                m.first_token_time,
+                m.finished_time,
+            )
+        )
     batching = options.get("batching", "continuous")
     config = engine.config
     records = list(llm.step_trace.records)
     report = summarise(
-        f"inflight {batching}", "inflight", batching, workload, wall, records,
-        config.scheduler.max_num_seqs, engine.scheduler.num_preemptions - preemptions_before,
+        f"inflight {batching}",
+        "inflight",
+        batching,
+        workload,
+        wall,
+        records,
+        config.scheduler.max_num_seqs,
+        engine.scheduler.num_preemptions - preemptions_before,
         latencies,
         {
-            "model": engine.model_path, "dtype": str(engine.dtype).removeprefix("torch."),
-            "device": str(engine.device), "max_num_seqs": config.scheduler.max_num_seqs,
+            "model": engine.model_path,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device),
+            "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            "block_size": config.cache.block_size, "num_kv_blocks": engine.kv_cache.num_blocks,
+            "block_size": config.cache.block_size,
+            "num_kv_blocks": engine.kv_cache.num_blocks,
             "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
         },
     )

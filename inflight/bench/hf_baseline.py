@@ -43,13 +43,18 @@ def load_hf_model(model: str | None, dtype: str = "float32") -> Any:
     if path.is_dir():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     else:  # transformers reads GGUF given the folder and the file name
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                  dtype=torch_dtype)
+        hf = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch_dtype
+        )
     return hf.eval()
 
 
 def run_transformers(
-    workload: Workload, model: str | None, batch_size: int, *, dtype: str = "float32",
+    workload: Workload,
+    model: str | None,
+    batch_size: int,
+    *,
+    dtype: str = "float32",
     warmup: bool = True,
 ) -> RunResult:
     """Run ``workload`` through ``model.generate`` in static batches of ``batch_size``."""
@@ -71,19 +76,37 @@ def run_transformers(
             batch_start = time.perf_counter()
             stamps = _generate(hf, batch, batch_start)
             waiting = len(requests) - first - len(batch)
-            records += _batch_records(batch, batch_size, stamps, batch_start, started,
-                                      len(records), waiting)
+            records += _batch_records(
+                batch, batch_size, stamps, batch_start, started, len(records), waiting
+            )
             for r in batch:  # a token is "produced" when its step ends, as in the engine
-                latencies.append(request_latency(
-                    str(r.id), len(r.prompt_token_ids), r.max_tokens, started, stamps[0],
-                    stamps[r.max_tokens - 1],
-                ))
+                latencies.append(
+                    request_latency(
+                        str(r.id),
+                        len(r.prompt_token_ids),
+                        r.max_tokens,
+                        started,
+                        stamps[0],
+                        stamps[r.max_tokens - 1],
+                    )
+                )
     wall = time.perf_counter() - started
     report = summarise(
-        "transformers static", "transformers", "static", workload, wall, records, batch_size,
-        0, latencies,
-        {"model": str(model or "default"), "dtype": dtype, "batch_size": batch_size,
-         "padding": "left"},
+        "transformers static",
+        "transformers",
+        "static",
+        workload,
+        wall,
+        records,
+        batch_size,
+        0,
+        latencies,
+        {
+            "model": str(model or "default"),
+            "dtype": dtype,
+            "batch_size": batch_size,
+            "padding": "left",
+        },
     )
     return RunResult(report, records, folded)
 
@@ -104,24 +127,36 @@ def _generate(hf: Any, batch: list[WorkloadRequest], batch_start: float) -> list
     input_ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
     for row, r in enumerate(batch):  # left padding: every row's last token lines up
-        input_ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-        mask[row, width - len(r.prompt_token_ids):] = 1
+        input_ids[row, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+        mask[row, width - len(r.prompt_token_ids) :] = 1
     longest = max(r.max_tokens for r in batch)
     config = GenerationConfig(
-        max_new_tokens=longest, min_new_tokens=longest, do_sample=False, eos_token_id=None,
+        max_new_tokens=longest,
+        min_new_tokens=longest,
+        do_sample=False,
+        eos_token_id=None,
         pad_token_id=0,
     )
     with torch.inference_mode():
-        out = hf.generate(input_ids, attention_mask=mask, generation_config=config,
-                          stopping_criteria=StoppingCriteriaList([_Stamp()]))
+        out = hf.generate(
+            input_ids,
+            attention_mask=mask,
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([_Stamp()]),
+        )
     if out.shape[1] - width != longest or len(stamps) != longest:
         raise RuntimeError(f"transformers generated {out.shape[1] - width} of {longest} tokens")
     return stamps
 
 
 def _batch_records(
-    batch: list[WorkloadRequest], num_slots: int, stamps: list[float], batch_start: float,
-    origin: float, first_step: int, waiting: int,
+    batch: list[WorkloadRequest],
+    num_slots: int,
+    stamps: list[float],
+    batch_start: float,
+    origin: float,
+    first_step: int,
+    waiting: int,
 ) -> list[StepRecord]:
     """The batch's steps in the engine's trace format (slot = row in the batch)."""
     records = []
@@ -129,16 +164,28 @@ def _batch_records(
         begin = stamps[k - 1] if k else batch_start
         working = [(slot, r) for slot, r in enumerate(batch) if k < r.max_tokens]
         entries = [
-            ScheduledEntry(str(r.id), slot, len(r.prompt_token_ids) if k == 0 else 1,
-                           "prefill" if k == 0 else "decode")
+            ScheduledEntry(
+                str(r.id),
+                slot,
+                len(r.prompt_token_ids) if k == 0 else 1,
+                "prefill" if k == 0 else "decode",
+            )
             for slot, r in working
         ]
-        records.append(StepRecord(
-            step=first_step + k, start_time=begin - origin, duration_s=end - begin,
-            entries=entries, preempted=[],
-            finished=[str(r.id) for r in batch if r.max_tokens - 1 == k],
-            num_running=len(batch), num_waiting=waiting, kv_blocks_used=0, kv_blocks_total=0,
-            num_slots=num_slots,
-            idle_slots=[slot for slot, r in enumerate(batch) if k >= r.max_tokens],
-        ))
+        records.append(
+            StepRecord(
+                step=first_step + k,
+                start_time=begin - origin,
+                duration_s=end - begin,
+                entries=entries,
+                preempted=[],
+                finished=[str(r.id) for r in batch if r.max_tokens - 1 == k],
+                num_running=len(batch),
+                num_waiting=waiting,
+                kv_blocks_used=0,
+                kv_blocks_total=0,
+                num_slots=num_slots,
+                idle_slots=[slot for slot, r in enumerate(batch) if k >= r.max_tokens],
+            )
+        )
     return records

@@ -13,14 +13,22 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "plot", help="draw schedule timeline, batch/KV and latency pictures from step traces",
+        "plot",
+        help="draw schedule timeline, batch/KV and latency pictures from step traces",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     parser.add_argument("traces", nargs="+", metavar="TRACE.jsonl", help="step trace files")
-    parser.add_argument("--label", action="append", default=None,
-                        help="a name per trace, in order (default: the file name)")
-    parser.add_argument("--out-dir", default=None,
-                        help="where to write the PNGs (default: the first trace's folder)")
+    parser.add_argument(
+        "--label",
+        action="append",
+        default=None,
+        help="a name per trace, in order (default: the file name)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="where to write the PNGs (default: the first trace's folder)",
+    )
     parser.set_defaults(handler=run)
 
 

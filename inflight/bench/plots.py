@@ -42,6 +42,14 @@ _LEGEND = [
     Patch(facecolor=_COLOURS[EMPTY], edgecolor="#999999", label="empty"),
 ]
 PICTURES = ("timeline.png", "batch_kv.png", "latency.png")
+# Line styles per trace, so identical schedules (static inflight and transformers) stay
+# visible on top of each other.
+_STYLES = [
+    dict(linestyle="-", linewidth=2.2),
+    dict(linestyle="--", linewidth=1.6),
+    dict(linestyle=":", linewidth=1.6),
+    dict(linestyle="-.", linewidth=1.4),
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,17 +78,27 @@ def timeline_grid(records: Sequence[StepRecord]) -> np.ndarray:
 
 def plot_timeline(traces: Sequence[LabelledTrace], path: str | Path) -> Path:
     num_steps = max(len(t.records) for t in traces)
-    heights = [max(2, timeline_grid(t.records[:1]).shape[0]) for t in traces]
+    heights = [max(2, max(r.num_slots for r in t.records)) for t in traces]
     fig, axes = plt.subplots(
-        len(traces), 1, sharex=True, squeeze=False,
+        len(traces),
+        1,
+        sharex=True,
+        squeeze=False,
         figsize=(11, 1.2 + sum(min(h, 32) * 0.16 + 0.6 for h in heights)),
         gridspec_kw={"height_ratios": [min(h, 32) + 3 for h in heights]},
     )
     cmap = ListedColormap(_COLOURS)
     for ax, trace in zip(axes[:, 0], traces, strict=True):
         grid = timeline_grid(trace.records)
-        ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0,
-                  vmax=len(_COLOURS) - 1, extent=(0, grid.shape[1], grid.shape[0], 0))
+        ax.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            cmap=cmap,
+            vmin=0,
+            vmax=len(_COLOURS) - 1,
+            extent=(0, grid.shape[1], grid.shape[0], 0),
+        )
         ax.set_xlim(0, num_steps)
         ax.set_ylabel("batch slot")
         work = int(np.isin(grid, (PREFILL_A, PREFILL_B, DECODE_A, DECODE_B)).sum())
@@ -88,7 +106,8 @@ def plot_timeline(traces: Sequence[LabelledTrace], path: str | Path) -> Path:
         ax.set_title(
             f"{trace.label}: {grid.shape[1]} steps, slot-steps working {work / grid.size:.0%}, "
             f"idle {idle / grid.size:.0%}, empty {1 - (work + idle) / grid.size:.0%}",
-            fontsize=10, loc="left",
+            fontsize=10,
+            loc="left",
         )
         if grid.shape[0] <= 16:
             ax.set_yticks(np.arange(grid.shape[0]) + 0.5, [str(i) for i in range(grid.shape[0])])
@@ -100,13 +119,27 @@ def plot_timeline(traces: Sequence[LabelledTrace], path: str | Path) -> Path:
 
 def plot_batch_kv(traces: Sequence[LabelledTrace], path: str | Path) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6))
-    for trace in traces:
+    for i, trace in enumerate(traces):
+        style = _STYLES[i % len(_STYLES)]
         steps = np.arange(len(trace.records))
-        top.step(steps, [r.batch_size for r in trace.records], where="post", label=trace.label)
+        top.step(
+            steps,
+            [r.batch_size for r in trace.records],
+            where="post",
+            label=trace.label,
+            color=f"C{i}",
+            **style,
+        )
         total = max((r.kv_blocks_total for r in trace.records), default=0)
         if total:  # transformers' cache is not paged: nothing to draw
-            bottom.step(steps, [r.kv_blocks_used for r in trace.records], where="post",
-                        label=f"{trace.label} (of {total})")
+            bottom.step(
+                steps,
+                [r.kv_blocks_used for r in trace.records],
+                where="post",
+                label=f"{trace.label} (of {total})",
+                color=f"C{i}",
+                **style,
+            )
     top.set_ylabel("requests working")
     top.set_title("batch size per step", fontsize=10, loc="left")
     top.legend(fontsize=9)
@@ -121,18 +154,23 @@ def plot_batch_kv(traces: Sequence[LabelledTrace], path: str | Path) -> Path:
 
 def plot_latency(traces: Sequence[LabelledTrace], path: str | Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for trace in traces:
+    for i, trace in enumerate(traces):
+        style = {"color": f"C{i}", **_STYLES[i % len(_STYLES)]}
         latencies = latencies_from_trace(trace.records)
-        _ecdf(left, [x.ttft_s for x in latencies], trace.label)
-        _ecdf(right, [x.tpot_s * 1e3 for x in latencies if x.tpot_s is not None], trace.label)
+        _ecdf(left, [x.ttft_s for x in latencies], trace.label, style)
+        _ecdf(
+            right, [x.tpot_s * 1e3 for x in latencies if x.tpot_s is not None], trace.label, style
+        )
     left.set_xlabel("time to first token (s)")
     right.set_xlabel("time per output token (ms)")
     for ax in (left, right):
         ax.set_ylabel("share of requests")
+        ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
-    fig.suptitle("per-request latency (offline: all requests arrive at the first step)",
-                 fontsize=10)
+    fig.suptitle(
+        "per-request latency (offline: all requests arrive at the first step)", fontsize=10
+    )
     fig.tight_layout()
     return _save(fig, path)
 
@@ -141,8 +179,12 @@ def plot_throughput(reports: Sequence[BenchReport], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.6 * len(reports)))
     labels = [r.label for r in reports]
     values = [r.output_tokens_per_s for r in reports]
-    bars = ax.barh(labels, values, color=["#4e79a7" if r.batching == "continuous" else "#c9d6e3"
-                                          for r in reports], edgecolor="#2a4d75")
+    bars = ax.barh(
+        labels,
+        values,
+        color=["#4e79a7" if r.batching == "continuous" else "#c9d6e3" for r in reports],
+        edgecolor="#2a4d75",
+    )
     ax.bar_label(bars, [f"{v:.1f}" for v in values], padding=3, fontsize=9)
     ax.invert_yaxis()
     ax.set_xlabel("output tokens/s")
@@ -152,8 +194,9 @@ def plot_throughput(reports: Sequence[BenchReport], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def draw_all(traces: Sequence[LabelledTrace], out_dir: str | Path,
-             reports: Sequence[BenchReport] = ()) -> list[Path]:
+def draw_all(
+    traces: Sequence[LabelledTrace], out_dir: str | Path, reports: Sequence[BenchReport] = ()
+) -> list[Path]:
     """Every picture for these traces (and reports) into ``out_dir``; returns the paths."""
     traces = [t for t in traces if t.records]
     if not traces:
@@ -170,11 +213,16 @@ def draw_all(traces: Sequence[LabelledTrace], out_dir: str | Path,
     return paths
 
 
-def _ecdf(ax: plt.Axes, values: list[float], label: str) -> None:
+def _ecdf(ax: plt.Axes, values: list[float], label: str, style: dict) -> None:
     if values:
         ordered = np.sort(values)
-        ax.step(ordered, np.arange(1, len(ordered) + 1) / len(ordered), where="post",
-                label=label)
+        ax.step(
+            np.concatenate(([0.0], ordered)),
+            np.arange(len(ordered) + 1) / len(ordered),
+            where="post",
+            label=label,
+            **style,
+        )
 
 
 def _save(fig: plt.Figure, path: str | Path) -> Path:

@@ -81,12 +81,20 @@ class RequestLatency:
 
 
 def request_latency(
-    request_id: str, num_prompt_tokens: int, num_output_tokens: int,
-    arrival: float, first_token: float, finished: float,
+    request_id: str,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    arrival: float,
+    first_token: float,
+    finished: float,
 ) -> RequestLatency:
     tpot = (finished - first_token) / (num_output_tokens - 1) if num_output_tokens > 1 else None
     return RequestLatency(
-        request_id, num_prompt_tokens, num_output_tokens, first_token - arrival, tpot,
+        request_id,
+        num_prompt_tokens,
+        num_output_tokens,
+        first_token - arrival,
+        tpot,
         finished - arrival,
     )
 
@@ -106,8 +114,13 @@ class Distribution:
         if not values:
             return None
         ordered = sorted(values)
-        return cls(statistics.fmean(ordered), _quantile(ordered, 0.5), _quantile(ordered, 0.9),
-                   _quantile(ordered, 0.99), ordered[-1])
+        return cls(
+            statistics.fmean(ordered),
+            _quantile(ordered, 0.5),
+            _quantile(ordered, 0.9),
+            _quantile(ordered, 0.99),
+            ordered[-1],
+        )
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -156,11 +169,15 @@ class BenchReport:
     def to_json(self) -> dict:
         row = asdict(self)
         row["slots"] = {
-            **row["slots"], "empty": self.slots.empty, "utilisation": self.slots.utilisation,
-            "idle_share": self.slots.idle_share, "mean_batch_size": self.slots.mean_batch_size,
+            **row["slots"],
+            "empty": self.slots.empty,
+            "utilisation": self.slots.utilisation,
+            "idle_share": self.slots.idle_share,
+            "mean_batch_size": self.slots.mean_batch_size,
         }
         row.update(
-            requests_per_s=self.requests_per_s, output_tokens_per_s=self.output_tokens_per_s,
+            requests_per_s=self.requests_per_s,
+            output_tokens_per_s=self.output_tokens_per_s,
             total_tokens_per_s=self.total_tokens_per_s,
         )
         return row
@@ -204,43 +221,49 @@ def format_table(reports: Sequence[BenchReport]) -> str:
             cells.append(template.format(r=r, ttft=ttft, tpot=tpot))
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(row, widths, strict=True))) for row in rows]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
 class Ratio:
+    """Output tokens/s of one run over another's; on the same workload it is also the
+    ratio of their wall times, since both produce the same tokens."""
+
     numerator: str
     denominator: str
     output_tokens_per_s: float
-    wall_time: float  # denominator's wall time / numerator's: the speed-up
 
 
 def ratios(reports: Sequence[BenchReport]) -> list[Ratio]:
     """inflight continuous against every other run on the same workload."""
-    best = next((r for r in reports if r.engine == "inflight" and r.batching == "continuous"),
-                None)
+    best = next((r for r in reports if r.engine == "inflight" and r.batching == "continuous"), None)
     if best is None:
         return []
     return [
-        Ratio(best.label, other.label, best.output_tokens_per_s / other.output_tokens_per_s,
-              other.wall_time_s / best.wall_time_s)
-        for other in reports if other is not best
+        Ratio(best.label, other.label, best.output_tokens_per_s / other.output_tokens_per_s)
+        for other in reports
+        if other is not best
     ]
 
 
 def format_ratios(items: Sequence[Ratio]) -> str:
     return "\n".join(
-        f"{r.numerator} / {r.denominator}: {r.output_tokens_per_s:.2f}x output tokens/s "
-        f"({r.wall_time:.2f}x faster)"
+        f"{r.numerator} / {r.denominator}: {r.output_tokens_per_s:.2f}x output tokens/s"
         for r in items
     )
 
 
-def write_json(path: str | Path, workload: str, reports: Sequence[BenchReport],
-               command: str) -> None:
+def write_json(
+    path: str | Path, workload: str, reports: Sequence[BenchReport], command: str | None
+) -> None:
     payload = {
         "workload": workload,
         "command": command,
@@ -288,8 +311,14 @@ def latencies_from_trace(records: Sequence[StepRecord]) -> list[RequestLatency]:
             if next_kind == "decode" or finished_at[rid] == i:
                 token_steps.append(i)
         if token_steps:
-            latencies.append(request_latency(
-                rid, prompt_tokens, len(token_steps), 0.0, ends[token_steps[0]],
-                ends[token_steps[-1]],
-            ))
+            latencies.append(
+                request_latency(
+                    rid,
+                    prompt_tokens,
+                    len(token_steps),
+                    0.0,
+                    ends[token_steps[0]],
+                    ends[token_steps[-1]],
+                )
+            )
     return latencies

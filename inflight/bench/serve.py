@@ -1,9 +1,428 @@
-"""Placeholder until this benchmark lands."""
+"""``inflight bench serve``: a load client for any OpenAI-compatible server.
+
+Sends a workload (a JSONL file, or synthetic lengths) as streaming requests, on a
+schedule: the workload's own ``arrival_s``, Poisson arrivals at ``--request-rate``, or all
+at once (``inf``), optionally capped at ``--max-concurrency`` requests in flight. For
+each request it records the time to the first streamed token (TTFT), the gaps between
+streamed chunks (inter-token latency, ITL), the mean time per output token after the
+first (TPOT) and the end-to-end latency; it reports throughput and mean / median / P95 /
+P99 of each, and writes them as JSON.
+
+Workload lines: ``{"id", "prompt_token_ids" | "prompt", "max_tokens", "arrival_s"}``, run
+greedy with EOS ignored (``make_workload.py`` writes these).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MS = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt: str | list[int]
+    max_tokens: int
+    arrival_s: float = 0.0  # offset from the benchmark's start
+
+    @property
+    def prompt_len(self) -> int | None:
+        return len(self.prompt) if isinstance(self.prompt, list) else None
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds from sending to the first streamed token
+    latency: float = 0.0  # seconds from sending to the end of the stream
+    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+# ---------------------------------------------------------------------- workloads
+
+
+def load_workload(path: str, num_prompts: int | None) -> list[BenchRequest]:
+    requests = []
+    with open(path) as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            prompt = row.get("prompt_token_ids", row.get("prompt"))
+            if prompt is None or "max_tokens" not in row:
+                raise ValueError(
+                    f"{path}:{number}: needs 'prompt_token_ids' (or 'prompt') and 'max_tokens'"
+                )
+            requests.append(
+                BenchRequest(prompt, int(row["max_tokens"]), float(row.get("arrival_s", 0.0)))
+            )
+            if num_prompts is not None and len(requests) >= num_prompts:
+                break
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return requests
+
+
+def synthetic_workload(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    token_low: int,
+    token_high: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """Random token-id prompts of fixed lengths (valid for any vocabulary above token_high)."""
+    rng = random.Random(seed)
+    return [
+        BenchRequest([rng.randrange(token_low, token_high) for _ in range(input_len)], output_len)
+        for _ in range(num_prompts)
+    ]
+
+
+def schedule(requests: list[BenchRequest], rate: float | None, seed: int) -> list[BenchRequest]:
+    """Arrival offsets: the workload's own when ``rate`` is None, else Poisson (or 0 for inf)."""
+    if rate is None:
+        return requests
+    rng = random.Random(seed)
+    offset, out = 0.0, []
+    for request in requests:
+        out.append(BenchRequest(request.prompt, request.max_tokens, offset))
+        if not math.isinf(rate):
+            offset += rng.expovariate(rate)
+    return out
+
+
+# ---------------------------------------------------------------------- the client
+
+
+async def send_request(
+    client: Any,
+    url: str,
+    model: str,
+    request: BenchRequest,
+    chat: bool,
+    headers: dict[str, str],
+) -> RequestResult:
+    """One streaming request; every chunk carrying a choice counts as produced tokens."""
+    payload: dict[str, Any] = {
+        "model": model,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:
+        if not isinstance(request.prompt, str):
+            raise ValueError("the chat endpoint needs text prompts ('prompt' in the workload)")
+        payload["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        payload["prompt"] = request.prompt
+    result = RequestResult(prompt_tokens=request.prompt_len or 0)
+    chunks = 0
+    sent = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"])
+                    return result
+                now = time.perf_counter()
+                if event.get("choices"):
+                    if chunks == 0:
+                        result.ttft = now - sent
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                if event.get("usage"):
+                    result.output_tokens = int(event["usage"].get("completion_tokens", 0))
+                    result.prompt_tokens = int(event["usage"].get("prompt_tokens", 0))
+        result.latency = time.perf_counter() - sent
+        # Servers that do not report usage: assume one token per chunk.
+        result.output_tokens = result.output_tokens or chunks
+        result.ok = chunks > 0
+        if not result.ok:
+            result.error = "the stream carried no tokens"
+    except Exception as error:  # the run goes on; the request counts as failed
+        result.error = f"{type(error).__name__}: {error}"
+    return result
+
+
+async def run_benchmark(
+    base_url: str,
+    endpoint: str,
+    model: str | None,
+    requests: list[BenchRequest],
+    max_concurrency: int | None,
+    api_key: str | None,
+    timeout_s: float,
+    show_progress: bool,
+) -> tuple[list[RequestResult], float, str]:
+    """Send every request on its schedule; returns results, wall duration and model name."""
+    import httpx
+    from tqdm.auto import tqdm
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(timeout_s, connect=30.0)
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=timeout, limits=limits, trust_env=False
+    ) as client:
+        if model is None:
+            listing = await client.get("/v1/models", headers=headers)
+            listing.raise_for_status()
+            model = str(listing.json()["data"][0]["id"])
+        chat = "chat" in endpoint
+        gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = tqdm(total=len(requests), desc="requests", disable=not show_progress, unit="req")
+        start = time.perf_counter()
+
+        async def one(request: BenchRequest) -> RequestResult:
+            delay = start + request.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if gate is None:
+                result = await send_request(client, endpoint, model, request, chat, headers)
+            else:
+                async with gate:
+                    result = await send_request(client, endpoint, model, request, chat, headers)
+            bar.update(1)
+            return result
+
+        try:
+            results = await asyncio.gather(*(one(r) for r in requests))
+        finally:
+            bar.close()
+        return list(results), time.perf_counter() - start, model
+
+
+# ---------------------------------------------------------------------- the report
+
+
+def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+    import numpy as np
+
+    values = np.asarray(values_s, dtype=float) * MS if values_s else np.zeros(1)
+    return {
+        f"mean_{name}_ms": float(values.mean()),
+        f"median_{name}_ms": float(np.median(values)),
+        f"std_{name}_ms": float(values.std()),
+        f"p95_{name}_ms": float(np.percentile(values, 95)),
+        f"p99_{name}_ms": float(np.percentile(values, 99)),
+    }
+
+
+def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    summary: dict[str, Any] = {
+        "duration_s": duration_s,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+    }
+    summary |= _stats("ttft", [r.ttft for r in done])
+    summary |= _stats("tpot", [t for r in done if (t := r.tpot) is not None])
+    summary |= _stats("itl", [gap for r in done for gap in r.itl])
+    summary |= _stats("e2el", [r.latency for r in done])
+    return summary
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
+
+    def row(label: str, value: Any, fmt: str = "") -> None:
+        lines.append(f"{label:<44}{value:>16{fmt}}")
+
+    row("Successful requests:", summary["completed"])
+    row("Failed requests:", summary["failed"])
+    row("Benchmark duration (s):", summary["duration_s"], ".2f")
+    row("Total input tokens:", summary["total_input_tokens"])
+    row("Total generated tokens:", summary["total_output_tokens"])
+    row("Request throughput (req/s):", summary["request_throughput"], ".3f")
+    row("Output token throughput (tok/s):", summary["output_throughput"], ".2f")
+    row("Total token throughput (tok/s):", summary["total_token_throughput"], ".2f")
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
+    for key, title in titles.items():
+        lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
+        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p95", "P95"), ("p99", "P99")):
+            row(f"{name} {key.upper()} (ms):", summary[f"{stat}_{key}_ms"], ".2f")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def _rate(value: str) -> float:
+    rate = float(value)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError("the request rate must be positive (or inf)")
+    return rate
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    del bench_subparsers  # not available yet
+    parser = bench_subparsers.add_parser(
+        "serve",
+        help="load-test an OpenAI-compatible server (inflight's or another)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    target = parser.add_argument_group("target")
+    target.add_argument(
+        "--base-url",
+        default=None,
+        help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)",
+    )
+    target.add_argument("--host", default="127.0.0.1")
+    target.add_argument("--port", type=int, default=8000)
+    target.add_argument(
+        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
+    )
+    target.add_argument(
+        "--model",
+        default=None,
+        help="model name to send (default: the server's first /v1/models entry)",
+    )
+    target.add_argument(
+        "--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY, if set)"
+    )
+    load = parser.add_argument_group("workload")
+    load.add_argument(
+        "--workload",
+        "--dataset-path",
+        dest="workload",
+        default=None,
+        help="JSONL workload (make_workload.py format); default: synthetic",
+    )
+    load.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="the first N workload requests (synthetic default: 100)",
+    )
+    load.add_argument("--random-input-len", type=int, default=256)
+    load.add_argument("--random-output-len", type=int, default=64)
+    load.add_argument(
+        "--random-token-low",
+        type=int,
+        default=1000,
+        help="synthetic prompt ids are drawn from [low, high)",
+    )
+    load.add_argument("--random-token-high", type=int, default=30000)
+    load.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=None,
+        help="Poisson arrivals at this rate (req/s), or inf for all at once; "
+        "default: the workload's arrival_s, else inf",
+    )
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="at most this many requests in flight"
+    )
+    load.add_argument("--seed", type=int, default=0)
+    out = parser.add_argument_group("output")
+    out.add_argument("--result-json", default=None, help="write the summary and config here")
+    out.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
+    out.add_argument("--request-timeout", type=float, default=3600.0)
+    out.add_argument("--disable-tqdm", action="store_true")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workload:
+        requests = load_workload(args.workload, args.num_prompts)
+    else:
+        requests = synthetic_workload(
+            args.num_prompts or 100,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_token_low,
+            args.random_token_high,
+            args.seed,
+        )
+    rate = args.request_rate
+    if rate is None and not args.workload:
+        rate = math.inf
+    requests = schedule(requests, rate, args.seed)
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    results, duration, model = asyncio.run(
+        run_benchmark(
+            base_url,
+            args.endpoint,
+            args.model,
+            requests,
+            args.max_concurrency,
+            api_key,
+            args.request_timeout,
+            not args.disable_tqdm,
+        )
+    )
+    summary = summarize(results, duration)
+    print(format_report(summary))
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        print(f"{len(errors)} request(s) failed; first error: {errors[0]}", file=sys.stderr)
+    if args.result_json:
+        rate_label: str | float = "workload" if rate is None else rate
+        if math.isinf(rate or 0.0):
+            rate_label = "inf"  # JSON has no infinity
+        record = {
+            "label": args.label,
+            "base_url": base_url,
+            "endpoint": args.endpoint,
+            "model": model,
+            "workload": args.workload,
+            "num_prompts": len(requests),
+            "request_rate": rate_label,
+            "max_concurrency": args.max_concurrency,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            **summary,
+            "requests": [
+                {k: v for k, v in asdict(r).items() if k != "itl"} | {"tpot": r.tpot}
+                for r in results
+            ],
+        }
+        Path(args.result_json).write_text(json.dumps(record, indent=2) + "\n")
+    # Some failures still make a (flagged) benchmark; none succeeding is an error.
+    return 0 if summary["completed"] else 1

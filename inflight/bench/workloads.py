@@ -119,7 +119,10 @@ def online(rate: float = DEFAULT_ONLINE_RATE) -> Workload:
 
 
 def synthetic(
-    num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
     seed: int = 0,
 ) -> Workload:
     """vLLM's random dataset shape: lengths uniform in ``len * [1 - r, 1 + r]``."""
@@ -152,8 +155,10 @@ def read_jsonl(path: str | Path) -> Workload:
             row = json.loads(line)
             try:
                 request = WorkloadRequest(
-                    int(row.get("id", n - 1)), [int(t) for t in row["prompt_token_ids"]],
-                    int(row["max_tokens"]), float(row.get("arrival_s", 0.0)),
+                    int(row.get("id", n - 1)),
+                    [int(t) for t in row["prompt_token_ids"]],
+                    int(row["max_tokens"]),
+                    float(row.get("arrival_s", 0.0)),
                 )
             except (KeyError, TypeError) as error:
                 raise ValueError(f"{path}:{n}: needs prompt_token_ids and max_tokens") from error
@@ -199,7 +204,9 @@ def fit_to_vocab(workload: Workload, vocab_size: int) -> tuple[Workload, bool]:
     span = vocab_size - low
     folded = [
         WorkloadRequest(
-            r.id, [low + (t - LOW_ID) % span for t in r.prompt_token_ids], r.max_tokens,
+            r.id,
+            [low + (t - LOW_ID) % span for t in r.prompt_token_ids],
+            r.max_tokens,
             r.arrival_s,
         )
         for r in workload.requests

@@ -22,6 +22,7 @@ from inflight.metrics.stats import EngineStats, FinishedRequestStats
 PREFIX = "inflight:"
 
 # Bucket edges as in vLLM, so dashboards built for it read ours the same way.
+# fmt: off
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -34,6 +35,7 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
+# fmt: on
 
 
 class _EngineStatsCollector(Collector):
@@ -58,17 +60,26 @@ class _EngineStatsCollector(Collector):
             family.add_metric(values, value)
             return family
 
-        yield gauge("num_requests_running", "Requests in the running batch.",
-                    stats.num_requests_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                    stats.num_requests_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                    stats.kv_cache_usage)
+        yield gauge(
+            "num_requests_running", "Requests in the running batch.", stats.num_requests_running
+        )
+        yield gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled.", stats.num_requests_waiting
+        )
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (1 = full).",
+            stats.kv_cache_usage,
+        )
         yield gauge("num_kv_blocks_used", "KV cache blocks in use.", stats.num_kv_blocks_used)
-        yield gauge("num_kv_blocks_total", "KV cache blocks in the pool.",
-                    stats.num_kv_blocks_total)
-        yield counter("num_preemptions", "Preemptions (running request evicted, recomputed later).",
-                      stats.num_preemptions_total)
+        yield gauge(
+            "num_kv_blocks_total", "KV cache blocks in the pool.", stats.num_kv_blocks_total
+        )
+        yield counter(
+            "num_preemptions",
+            "Preemptions (running request evicted, recomputed later).",
+            stats.num_preemptions_total,
+        )
         yield counter("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter("engine_steps", "Engine iterations run.", stats.num_steps_total)
@@ -82,21 +93,28 @@ class PrometheusMetrics:
         self.registry.register(_EngineStatsCollector(read_stats, model_name))
         common = {"labelnames": ["model_name"], "registry": self.registry}
         self._ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token.",
-            buckets=TTFT_BUCKETS, **common,
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=TTFT_BUCKETS,
+            **common,
         ).labels(model_name)
         self._tpot = Histogram(
             PREFIX + "time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
-            buckets=TPOT_BUCKETS, **common,
+            buckets=TPOT_BUCKETS,
+            **common,
         ).labels(model_name)
         self._e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
-            buckets=E2E_BUCKETS, **common,
+            PREFIX + "e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=E2E_BUCKETS,
+            **common,
         ).labels(model_name)
         self._success = Counter(
-            PREFIX + "request_success", "Finished requests, by finish reason.",
-            labelnames=["model_name", "finished_reason"], registry=self.registry,
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
         )
         self._model_name = model_name
         for reason in ("stop", "length", "abort", "error"):

@@ -110,7 +110,9 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     path = os.fspath(path)
     with open(path, "rb") as f:
         if f.read(4) != _MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+            raise ValueError(
+                f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)"
+            )
         # ACCESS_COPY (a private mapping) makes the numpy views writable, so torch can wrap
         # them without a warning, while guaranteeing the file itself is never modified.
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -144,7 +146,9 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         try:
             ggml_type = GGMLQuantizationType(type_id)
         except ValueError:
-            raise ValueError(f"{path}: tensor {name!r} has unknown ggml type id {type_id}") from None
+            raise ValueError(
+                f"{path}: tensor {name!r} has unknown ggml type id {type_id}"
+            ) from None
         nbytes = _byte_size(dims, ggml_type)
         if data_start + offset + nbytes > len(buf):
             raise ValueError(f"{path}: tensor {name!r} extends past the end of the file")

@@ -68,8 +68,13 @@ def _byte_level_bpe(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
     vocab = {respell(token): i for i, token in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     backend = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="",
-                   fuse_unk=False)
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
     )
     add_prefix_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)

@@ -64,7 +64,9 @@ def hf_arch_config(
             int(scaling["original_max_position_embeddings"]),
         )
     elif rope_type != "default":
-        raise ValueError(f"{source}: rope scaling type {rope_type!r} is not supported (only llama3)")
+        raise ValueError(
+            f"{source}: rope scaling type {rope_type!r} is not supported (only llama3)"
+        )
 
     eos: list[int] = []
     for cfg in (config, generation_config):
@@ -103,7 +105,9 @@ def _reject_unsupported_features(
             f"max_position_embeddings={max_positions}) is not supported"
         )
     if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu)")
+        raise ValueError(
+            f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu)"
+        )
     if model_type != "qwen2" and config.get("attention_bias", False):
         # Llama's attention_bias also biases o_proj, which the architecture record lacks.
         raise ValueError(f"{source}: attention_bias=True is only supported for qwen2")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inflight.attention.metadata import AttentionMetadata, SequenceGroup
+from inflight.attention.metadata import AttentionMetadata, PaddedGroup, VarlenGroup
 from inflight.core.interface import ScheduledRequest, SchedulerOutput
 
 
@@ -22,8 +22,10 @@ class ModelInputs:
 
 
 def build_model_inputs(
-    scheduler_output: SchedulerOutput, block_size: int, device: torch.device
+    scheduler_output: SchedulerOutput, block_size: int, device: torch.device,
+    varlen_decode: bool = False, varlen_prefill: bool = False,
 ) -> ModelInputs:
+    """Flat inputs for one step; ``varlen_*`` route a group to the C++ varlen kernel."""
     items = scheduler_output.scheduled
     lengths = np.fromiter((s.num_tokens for s in items), dtype=np.int64, count=len(items))
     starts = np.fromiter((s.start_position for s in items), dtype=np.int64, count=len(items))
@@ -43,12 +45,21 @@ def build_model_inputs(
     slot_mapping = block_of_token * block_size + positions % block_size
 
     is_decode = lengths == 1
-    groups = {}
-    for name, chosen in (("decode", np.nonzero(is_decode)[0]), ("prefill", np.nonzero(~is_decode)[0])):
-        groups[name] = (
-            _sequence_group(chosen, lengths, starts, query_start, block_tables, block_size, device)
-            if len(chosen) else None
-        )
+    groups: dict[str, PaddedGroup | VarlenGroup | None] = {}
+    for name, chosen, varlen in (
+        ("decode", np.nonzero(is_decode)[0], varlen_decode),
+        ("prefill", np.nonzero(~is_decode)[0], varlen_prefill),
+    ):
+        if not len(chosen):
+            groups[name] = None
+        elif varlen:
+            groups[name] = _varlen_group(
+                chosen, lengths, starts, query_start, block_tables, total, device
+            )
+        else:
+            groups[name] = _padded_group(
+                chosen, lengths, starts, query_start, block_tables, block_size, device
+            )
 
     sampled = [s for s in items if s.sample]
     logits_indices = np.array(
@@ -77,10 +88,30 @@ def _pad_block_tables(items: list[ScheduledRequest]) -> np.ndarray:
     return table
 
 
-def _sequence_group(
+def _varlen_group(
+    chosen: np.ndarray, lengths: np.ndarray, starts: np.ndarray, query_start: np.ndarray,
+    block_tables: np.ndarray, total_tokens: int, device: torch.device,
+) -> VarlenGroup:
+    q_lens = lengths[chosen]
+    group_start = np.zeros(len(chosen) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=group_start[1:])
+    token_index = None
+    if int(group_start[-1]) != total_tokens:  # only part of the step's tokens
+        token_index = torch.from_numpy(
+            np.concatenate([np.arange(query_start[i], query_start[i + 1]) for i in chosen])
+        ).to(device)
+    return VarlenGroup(
+        token_index=token_index,
+        block_tables=torch.from_numpy(block_tables[chosen].astype(np.int32)).to(device),
+        query_start=torch.from_numpy(group_start).to(device),
+        seq_lens=torch.from_numpy((starts[chosen] + q_lens).astype(np.int32)).to(device),
+    )
+
+
+def _padded_group(
     chosen: np.ndarray, lengths: np.ndarray, starts: np.ndarray, query_start: np.ndarray,
     block_tables: np.ndarray, block_size: int, device: torch.device,
-) -> SequenceGroup:
+) -> PaddedGroup:
     q_lens = lengths[chosen]
     max_q = int(q_lens.max())
     context_lens = starts[chosen] + q_lens
@@ -100,7 +131,7 @@ def _sequence_group(
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
-    return SequenceGroup(
+    return PaddedGroup(
         token_index=to_device(token_index),
         valid=to_device(valid),
         block_tables=to_device(block_tables[chosen, :num_blocks]),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from inflight.attention.backend import choose_attention_backend
 from inflight.core.interface import ModelRunnerOutput, SchedulerOutput
 from inflight.model.llama import LlamaForCausalLM
 from inflight.worker.input_batch import build_model_inputs
@@ -25,13 +26,19 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(model.arch, num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler(device)
+        backend = choose_attention_backend(device)
+        self.varlen_decode = backend in ("cpp", "cpp-all")
+        self.varlen_prefill = backend == "cpp-all"
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        inputs = build_model_inputs(scheduler_output, self.block_size, self.device)
+        inputs = build_model_inputs(
+            scheduler_output, self.block_size, self.device,
+            varlen_decode=self.varlen_decode, varlen_prefill=self.varlen_prefill,
+        )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
         if not inputs.sampled:
             return ModelRunnerOutput(sampled_token_ids={})

@@ -79,20 +79,36 @@ def _randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _tiny_llama(tie: bool = False, vocab: int = 263, **extra) -> LlamaForCausalLM:
+def _tiny_llama(tie: bool = False, vocab: int = 264, **extra) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **extra,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
     )
     return _randomize(LlamaForCausalLM(config))
 
 
 def _tiny_qwen2() -> Qwen2ForCausalLM:
     config = Qwen2Config(
-        vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=[2, 3],
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=[2, 3],
     )
     return _randomize(Qwen2ForCausalLM(config), seed=1)
 
@@ -104,7 +120,9 @@ def _expected_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _assert_same_weights(ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol=0.0):
+def _assert_same_weights(
+    ours: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol=0.0
+):
     assert ours.keys() == expected.keys()
     for name, value in expected.items():
         assert ours[name].dtype == torch.float32, name
@@ -180,9 +198,14 @@ _GGUF_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _GGUF_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
 
@@ -196,23 +219,44 @@ def _gguf_name(hf_name: str) -> str:
 
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf reordering of q/k rows (rotate-half -> interleaved)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
-    """A 263-token byte-level BPE vocabulary: 256 bytes, 3 merges, 3 control, 1 user-defined."""
+    """A 264-token byte-level BPE vocabulary: 256 bytes, 3 merges, 4 control, 1 user-defined.
+
+    <file_sep> is a control token that is not also bos/eos/unk/pad, so only the GGUF token
+    types (not the named special tokens) can make it special."""
     printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
     unprintable = [b for b in range(256) if b not in printable]
     tokens = [chr(b) if b in printable else chr(256 + unprintable.index(b)) for b in range(256)]
     merges = ["Ġ t", "h e", "Ġt he"]
-    tokens += ["Ġt", "he", "Ġthe", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
-    types = [1] * 259 + [3, 3, 3, 4]
+    tokens += [
+        "Ġt",
+        "he",
+        "Ġthe",
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<think>",
+        "<file_sep>",
+    ]
+    types = [1] * 259 + [3, 3, 3, 4, 3]
     return tokens, types, merges
 
 
-def _write_gguf(path: Path, model: torch.nn.Module, qtype: QT, arch: str = "llama",
-                extra_tensors: dict[str, np.ndarray] | None = None,
-                pre: str = "smollm") -> dict[str, torch.Tensor]:
+def _write_gguf(
+    path: Path,
+    model: torch.nn.Module,
+    qtype: QT,
+    arch: str = "llama",
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    pre: str = "smollm",
+) -> dict[str, torch.Tensor]:
     """Write ``model`` as llama.cpp would; return, per HF name, exactly what a correct loader
     must read back (the stored, possibly quantised, values with llama.cpp's row order undone)."""
     cfg = model.config
@@ -237,7 +281,9 @@ def _write_gguf(path: Path, model: torch.nn.Module, qtype: QT, arch: str = "llam
     writer.add_pad_token_id(261)
     writer.add_unk_token_id(259)
     writer.add_add_bos_token(True)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    writer.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    )
     permute = arch == "llama"  # llama.cpp only permutes for ggml's interleaved (non-NeoX) RoPE
     readback = {}
     for hf_name, tensor in _expected_weights(model).items():
@@ -247,7 +293,9 @@ def _write_gguf(path: Path, model: torch.nn.Module, qtype: QT, arch: str = "llam
         order = np.arange(w.shape[0])
         if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
             order = _llamacpp_permute(order, heads)
-        stored = _add_tensor(writer, _gguf_name(hf_name), w[order], qtype if w.ndim == 2 else QT.F32)
+        stored = _add_tensor(
+            writer, _gguf_name(hf_name), w[order], qtype if w.ndim == 2 else QT.F32
+        )
         readback[hf_name] = torch.from_numpy(stored[np.argsort(order)])
     for name, value in (extra_tensors or {}).items():
         writer.add_tensor(name, value)
@@ -292,10 +340,12 @@ def test_gguf_written_by_test_round_trips(tmp_path, qtype):
     assert (arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers) == (64, 128, 2)
     assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == (4, 2, 16)
     assert not arch.tie_word_embeddings and not arch.attention_bias
-    assert (arch.bos_token_id, arch.eos_token_ids, arch.vocab_size) == (260, (261,), 263)
+    assert (arch.bos_token_id, arch.eos_token_ids, arch.vocab_size) == (260, (261,), 264)
 
 
-@pytest.mark.parametrize("qtype", [QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda q: q.name
+)
 def test_dequantize_is_bit_identical_to_gguf_package(qtype):
     values = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
     packed = gguf.quants.quantize(values, qtype)
@@ -315,9 +365,14 @@ def test_gguf_qwen2_is_not_unpermuted_and_keeps_biases(tmp_path):
 def test_gguf_rope_freqs_become_llama3_scaling(tmp_path):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-               "rope_theta": 500000.0}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    }
     model = _tiny_llama(rope_parameters=scaling)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](model.config, "cpu")
     base = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
@@ -335,7 +390,7 @@ def test_gguf_tiny_tokenizer_matches_transformers(tmp_path):
     _assert_same_tokenizer(ours, reference)
     # This file asks for BOS: both must prepend it, and keep merges / user-defined tokens whole.
     assert ours.encode(" the <think>")[:2] == [260, 258]
-    assert 262 in ours.encode("<think>", add_special_tokens=False)
+    assert ours.encode("<think><file_sep>", add_special_tokens=False) == [262, 263]
 
 
 def test_gguf_other_pre_tokenizer_falls_back_to_transformers(tmp_path):
@@ -392,10 +447,19 @@ def _write_config(directory: Path, **overrides) -> Path:
     """Write a legacy-style (transformers 4) config.json; failure cases need no weights."""
     directory.mkdir(exist_ok=True)
     config = {
-        "model_type": "llama", "vocab_size": 263, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
-        "tie_word_embeddings": False, "eos_token_id": [2, 7], **overrides,
+        "model_type": "llama",
+        "vocab_size": 264,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 5e5,
+        "tie_word_embeddings": False,
+        "eos_token_id": [2, 7],
+        **overrides,
     }
     (directory / "config.json").write_text(json.dumps(config))
     return directory
@@ -403,8 +467,13 @@ def _write_config(directory: Path, **overrides) -> Path:
 
 def test_hf_legacy_config_llama3_rope_and_generation_eos(tmp_path, smollm):
     directory = _save_hf(_tiny_llama(), tmp_path / "legacy", smollm.tokenizer)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     _write_config(directory, rope_scaling=scaling)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     arch = load_checkpoint(directory).arch
@@ -451,8 +520,13 @@ def test_mistral_full_window_is_accepted(tmp_path, smollm):
 def test_unsupported_gguf_tensor_type_names_tensor_and_type(tmp_path):
     path = tmp_path / "int.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in [("block_count", 1), ("context_length", 64), ("embedding_length", 32),
-                       ("feed_forward_length", 32), ("attention.head_count", 2)]:
+    for key, value in [
+        ("block_count", 1),
+        ("context_length", 64),
+        ("embedding_length", 32),
+        ("feed_forward_length", 32),
+        ("attention.head_count", 2),
+    ]:
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.int32))

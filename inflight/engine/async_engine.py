@@ -1,0 +1,534 @@
+"""The async engine: one background thread steps :class:`LLMEngine`; asyncio callers stream.
+
+::
+
+    event loop (HTTP handlers)                  engine thread (owns the LLMEngine)
+    ---------------------------                 ------------------------------------
+    await add_request() --- _Add ------+
+    RequestStream.close() - _Abort ----+--> commands (thread-safe FIFO)
+    abort_all(), shutdown()            |        |  drained between steps: a request
+                                       |        v  added during step k joins step k+1
+                                       |    engine.step() -> cumulative outputs
+                                       |        |  -> per-request deltas (new text, ids)
+    RequestStream (asyncio.Queue) <----+--- loop.call_soon_threadsafe(deliver, batch)
+
+Invariants:
+
+* Every ``LLMEngine`` call that reads or changes request state happens on the engine
+  thread; other threads only put commands on the queue and read the immutable
+  :class:`EngineStats` snapshot, which the engine thread swaps after each iteration.
+* The thread blocks on the command queue whenever the engine has no unfinished request
+  (no busy-spinning), and drains every queued command before each step.
+* A request ends exactly once, with a final delta (``finished=True``) or an exception
+  delivered to its stream; aborting frees its KV blocks before the next step.
+* Deltas and acceptance replies travel through ``call_soon_threadsafe`` in order, so a
+  stream sees "accepted" before its first delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from inflight.engine.llm_engine import LLMEngine, PromptInput
+from inflight.metrics.stats import EngineStats, FinishedRequestStats, StatObserver
+from inflight.outputs import RequestOutput
+from inflight.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed while the request was in flight, or has stopped for good."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down and accepts no new requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one request produced since its previous delta."""
+
+    request_id: str
+    text: str  # new text only
+    token_ids: list[int]  # new token ids only
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id or stop string, if any
+
+
+class RequestStream:
+    """The deltas of one request, read with ``async for`` on the event loop.
+
+    ``close()`` aborts the request if it has not finished (a client went away); it is
+    idempotent and safe to call from ``finally`` blocks.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._done = False  # the final item has been handed out
+
+    def _put(self, item: RequestDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = self.finished = True
+            raise item
+        if item.finished:
+            self._done = self.finished = True
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+# ---------------------------------------------------------------------- commands
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    stream: RequestStream
+    accepted: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str] | None  # None: every request in flight
+
+
+@dataclass(slots=True)
+class _Shutdown:
+    pass
+
+
+_Command = _Add | _Abort | _Shutdown
+
+
+@dataclass(slots=True)
+class _Live:
+    """Engine-thread bookkeeping for one request in flight."""
+
+    stream: RequestStream
+    num_prompt_tokens: int
+    arrival_time: float
+    holdback: int  # characters kept back while streaming, so a stop string is never sent
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+_Reply = tuple["asyncio.Future[None]", BaseException | None]
+_Delivery = tuple[RequestStream, RequestDelta | BaseException]
+
+
+@dataclass(slots=True)
+class _Outbox:
+    """What one iteration sends to the event loop, in order."""
+
+    items: list[_Reply | _Delivery] = field(default_factory=list)
+
+    def resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+        self.items.append((future, error))
+
+    def deliver(self, stream: RequestStream, item: RequestDelta | BaseException) -> None:
+        self.items.append((stream, item))
+
+
+# ---------------------------------------------------------------------- the engine
+
+
+class AsyncLLMEngine:
+    """Serve many concurrent asyncio callers from one :class:`LLMEngine` on its own thread.
+
+    Call :meth:`start` on the event loop that will consume the streams, then
+    ``stream = await add_request(...)`` and ``async for delta in stream``.
+    """
+
+    def __init__(self, engine: LLMEngine, observers: Sequence[StatObserver] = ()) -> None:
+        self._engine = engine
+        self._observers: list[StatObserver] = list(observers)
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _closed together with putting commands
+        self._closed = False
+        self._dead: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._live: dict[str, _Live] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._num_steps = 0
+        self._stats = EngineStats(num_kv_blocks_total=engine.kv_cache.num_blocks)
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_options(model, **options))
+
+    # ------------------------------------------------------------------ read-only facts
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    @property
+    def model_path(self) -> str:
+        return self._engine.model_path
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    def add_observer(self, observer: StatObserver) -> None:
+        """Register before :meth:`start`; observers run on the engine thread."""
+        self._observers.append(observer)
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """Text and token ids of a prompt; safe off the engine thread (no request state)."""
+        return self._engine.tokenize_prompt(prompt)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind to the running event loop and start the engine thread."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, abort whatever is still in flight, and join the engine thread."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._commands.put(_Shutdown())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request for the next step and wait until the engine has accepted it.
+
+        Raises the engine's ``ValueError``/``TypeError`` for a request it rejects,
+        :class:`EngineShutdownError` while shutting down, :class:`EngineDeadError` if dead.
+        """
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("call start() before add_request()")
+        stream = RequestStream(request_id, self)
+        accepted: asyncio.Future[None] = loop.create_future()
+        command = _Add(
+            request_id,
+            prompt,
+            params,
+            priority,
+            arrival_time if arrival_time is not None else time.monotonic(),
+            stream,
+            accepted,
+        )
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
+            if self._closed:
+                raise EngineShutdownError("the server is shutting down")
+            self._commands.put(command)
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller left before the reply: don't leak it
+            raise
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestDelta]:
+        """Convenience: add a request and yield its deltas; aborts it if the caller stops."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); its stream gets a final ``abort`` delta."""
+        with self._lock:
+            if not self._closed:
+                self._commands.put(_Abort([request_id]))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (used when a graceful-shutdown grace period ends)."""
+        with self._lock:
+            if not self._closed:
+                self._commands.put(_Abort(None))
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as error:  # noqa: BLE001 - anything here kills the thread
+            logger.exception("the engine thread died")
+            self._die(error)
+
+    def _loop_forever(self) -> None:
+        while True:
+            outbox = _Outbox()
+            idle = not self._engine.has_unfinished_requests()
+            for command in self._next_commands(block=idle):
+                if isinstance(command, _Shutdown):
+                    self._abort_live(None, outbox)
+                    self._send(outbox)
+                    self._publish_stats()
+                    return
+                self._apply(command, outbox)
+            if self._engine.has_unfinished_requests():
+                self._step(outbox)
+            self._send(outbox)
+            self._publish_stats()
+
+    def _next_commands(self, block: bool) -> list[_Command]:
+        """Everything queued now; when idle, first wait (blocking) for one command."""
+        commands: list[_Command] = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Add | _Abort, outbox: _Outbox) -> None:
+        if isinstance(command, _Abort):
+            self._abort_live(command.request_ids, outbox)
+            return
+        try:
+            self._engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                arrival_time=command.arrival_time,
+                priority=command.priority,
+                # Per-step outputs for every request: streams need them, and the token
+                # counters and TTFT stay exact for non-streaming requests too.
+                stream=True,
+            )
+        except Exception as error:  # the request's own fault: reply, change nothing
+            outbox.resolve(command.accepted, error)
+            return
+        request = self._engine.scheduler.requests[command.request_id]
+        stops = command.params.stop or []
+        self._live[command.request_id] = _Live(
+            stream=command.stream,
+            num_prompt_tokens=request.num_prompt_tokens,
+            arrival_time=command.arrival_time,
+            holdback=max((len(s) for s in stops), default=1) - 1,
+        )
+        outbox.resolve(command.accepted, None)
+
+    def _step(self, outbox: _Outbox) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as error:
+            # Fail the requests in flight (their clients get an error, not a hang) and
+            # keep serving: the scheduler state is consistent once they are aborted.
+            logger.exception("engine step failed; failing %d request(s)", len(self._live))
+            failure = EngineDeadError(f"the engine failed during a step: {error!r}")
+            for request_id in list(self._live):
+                self._end(request_id, "error", outbox, failure)
+            return
+        self._num_steps += 1
+        now = time.monotonic()
+        for output in outputs:
+            self._on_output(output, now, outbox)
+
+    def _on_output(self, output: RequestOutput, now: float, outbox: _Outbox) -> None:
+        live = self._live.get(output.request_id)
+        if live is None:
+            return  # aborted between the step's start and now
+        completion = output.outputs[0]
+        new_ids = completion.token_ids[live.sent_tokens :]
+        if new_ids:
+            if live.first_token_time is None:
+                live.first_token_time = now
+                self._prompt_tokens_total += live.num_prompt_tokens
+            live.last_token_time = now
+            self._generation_tokens_total += len(new_ids)
+        text = completion.text
+        # Hold back the tail that could be the start of a stop string: if the string
+        # completes later the engine cuts the text there, and sent text cannot be unsent.
+        visible = len(text) if output.finished else max(live.sent_chars, len(text) - live.holdback)
+        delta = RequestDelta(
+            request_id=output.request_id,
+            text=text[live.sent_chars : visible],
+            token_ids=list(new_ids),
+            num_prompt_tokens=live.num_prompt_tokens,
+            num_output_tokens=len(completion.token_ids),
+            finished=output.finished,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        live.sent_tokens = len(completion.token_ids)
+        live.sent_chars = max(live.sent_chars, visible)
+        if output.finished:
+            self._end(output.request_id, completion.finish_reason or "stop", outbox, delta)
+        else:
+            outbox.deliver(live.stream, delta)
+
+    def _abort_live(self, request_ids: list[str] | None, outbox: _Outbox) -> None:
+        for request_id in list(self._live) if request_ids is None else request_ids:
+            live = self._live.get(request_id)
+            if live is None:
+                continue  # finished already, or never accepted
+            final = RequestDelta(
+                request_id=request_id,
+                text="",
+                token_ids=[],
+                num_prompt_tokens=live.num_prompt_tokens,
+                num_output_tokens=live.sent_tokens,
+                finished=True,
+                finish_reason="abort",
+            )
+            self._end(request_id, "abort", outbox, final)
+
+    def _end(
+        self, request_id: str, reason: str, outbox: _Outbox, final: RequestDelta | BaseException
+    ) -> None:
+        """Forget a request: free its blocks (no-op if the engine ended it), report, notify."""
+        live = self._live.pop(request_id)
+        if reason in ("abort", "error"):
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:  # after a failed step; the request must still end
+                logger.exception("aborting %s failed", request_id)
+        outbox.deliver(live.stream, final)
+        stats = _finished_stats(live, reason, time.monotonic())
+        for observer in self._observers:
+            try:
+                observer.on_request_finished(stats)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("stat observer %r failed", observer)
+
+    def _send(self, outbox: _Outbox) -> None:
+        if not outbox.items or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_deliver_on_loop, outbox.items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _publish_stats(self) -> None:
+        scheduler = self._engine.scheduler
+        kv_cache = self._engine.kv_cache
+        self._stats = EngineStats(
+            num_requests_running=scheduler.num_running,
+            num_requests_waiting=scheduler.num_waiting,
+            kv_cache_usage=kv_cache.usage,
+            num_kv_blocks_used=kv_cache.pool.num_used_blocks,
+            num_kv_blocks_total=kv_cache.num_blocks,
+            num_preemptions_total=scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_steps_total=self._num_steps,
+        )
+
+    def _die(self, error: BaseException) -> None:
+        """The thread is going away: fail everything in flight and everything queued."""
+        with self._lock:
+            self._dead = error
+            self._closed = True
+        failure = EngineDeadError(f"the engine has stopped: {error!r}")
+        outbox = _Outbox()
+        for live in self._live.values():
+            outbox.deliver(live.stream, failure)
+        self._live.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                outbox.resolve(command.accepted, failure)
+        self._send(outbox)
+
+
+def _deliver_on_loop(items: list[_Reply | _Delivery]) -> None:
+    """Runs on the event loop: resolve acceptance futures and feed streams, in order."""
+    for target, item in items:
+        if isinstance(target, RequestStream):
+            assert item is not None
+            target._put(item)
+        elif not target.done():  # the caller may have been cancelled meanwhile
+            if item is None:
+                target.set_result(None)
+            else:
+                target.set_exception(item)
+
+
+def _finished_stats(live: _Live, reason: str, now: float) -> FinishedRequestStats:
+    ttft = None if live.first_token_time is None else live.first_token_time - live.arrival_time
+    tpot = None
+    if (
+        live.first_token_time is not None
+        and live.last_token_time is not None
+        and (live.sent_tokens > 1)
+    ):
+        tpot = (live.last_token_time - live.first_token_time) / (live.sent_tokens - 1)
+    return FinishedRequestStats(
+        finish_reason=reason,
+        num_prompt_tokens=live.num_prompt_tokens,
+        num_output_tokens=live.sent_tokens,
+        e2e_latency=now - live.arrival_time,
+        time_to_first_token=ttft,
+        time_per_output_token=tpot,
+    )

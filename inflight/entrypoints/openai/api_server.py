@@ -1,0 +1,264 @@
+"""The FastAPI app and its uvicorn lifecycle.
+
+Routes::
+
+    POST /v1/completions  POST /v1/chat/completions  GET /v1/models   (API key, when set)
+    GET /health  GET /metrics  GET /version  POST /tokenize  POST /detokenize
+
+The app's lifespan starts the engine thread on uvicorn's event loop and stops it last.
+Graceful shutdown (SIGTERM or SIGINT): uvicorn stops accepting and waits for the open
+responses; requests still running after the grace period are aborted in the engine, so
+their clients get a clean end (``finish_reason: "abort"``) rather than a cut connection;
+then the engine thread stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+
+from inflight.engine.async_engine import AsyncLLMEngine
+from inflight.entrypoints.openai.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    OpenAIError,
+    bad_request,
+    install_error_handlers,
+)
+from inflight.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from inflight.entrypoints.openai.serving import (
+    ServerConfig,
+    ServerState,
+    json_response,
+    parse_body,
+)
+from inflight.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from inflight.entrypoints.openai.serving_completions import create_completion
+from inflight.metrics.prometheus import PrometheusMetrics
+
+logger = logging.getLogger(__name__)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    """The app serving ``engine``; the engine thread runs while the app's lifespan does."""
+    metrics = PrometheusMetrics(lambda: engine.stats, config.served_model_names[0])
+    engine.add_observer(metrics)
+    state = ServerState(engine=engine, config=config, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        logger.info("serving %s as %s", engine.model_path, ", ".join(config.served_model_names))
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+            logger.info("engine stopped")
+
+    from inflight import __version__
+
+    app = FastAPI(
+        title="inflight", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(_v1_router(state))
+    app.include_router(_service_router(state, __version__))
+    return app
+
+
+def _v1_router(state: ServerState) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(state.config.api_key))])
+
+    @router.post("/completions")
+    async def completions(raw: Request) -> Response:
+        return await create_completion(state, raw)
+
+    @router.post("/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(state, raw)
+
+    @router.get("/models")
+    async def models() -> Response:
+        return json_response(
+            ModelList(data=[_model_card(state, n) for n in state.config.served_model_names])
+        )
+
+    @router.get("/models/{name:path}")
+    async def model(name: str) -> Response:
+        return json_response(_model_card(state, state.resolve_model(name)))
+
+    return router
+
+
+def _service_router(state: ServerState, version: str) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        if not state.engine.is_healthy:
+            raise OpenAIError(503, "The engine is not running.", SERVER_ERROR)
+        return Response(status_code=200)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @router.get("/version")
+    async def version_route() -> Response:
+        return Response(f'{{"version":"{version}"}}', media_type="application/json")
+
+    @router.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        request = await parse_body(raw, TokenizeRequest)
+        state.resolve_model(request.model)
+        tokenizer = state.engine.tokenizer
+        if (request.prompt is None) == (request.messages is None):
+            raise bad_request("Pass exactly one of 'prompt' and 'messages'.", "prompt")
+        if request.messages is not None:
+            template = request.chat_template or state.config.chat_template
+            tokens = render_chat(
+                tokenizer, request.messages, template, request.add_generation_prompt
+            )
+            if request.add_special_tokens:
+                tokens = list(tokenizer.build_inputs_with_special_tokens(tokens))
+        else:
+            add_special = True if request.add_special_tokens is None else request.add_special_tokens
+            tokens = list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
+        return json_response(
+            TokenizeResponse(
+                count=len(tokens),
+                max_model_len=state.engine.max_model_len,
+                tokens=tokens,
+            )
+        )
+
+    @router.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        request = await parse_body(raw, DetokenizeRequest)
+        state.resolve_model(request.model)
+        vocab_size = state.engine.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(
+                f"Token id(s) {bad[:5]} are outside the vocabulary (size {vocab_size}).",
+                "tokens",
+            )
+        return json_response(
+            DetokenizeResponse(prompt=state.engine.tokenizer.decode(request.tokens))
+        )
+
+    return router
+
+
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(
+        id=name, root=state.engine.model_path, max_model_len=state.engine.max_model_len
+    )
+
+
+def _api_key_check(api_key: str | None) -> Any:
+    """A dependency requiring ``Authorization: Bearer <api_key>`` when a key is set."""
+
+    async def check(raw: Request) -> None:
+        if api_key is None:
+            return
+        header = raw.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not header:
+            raise OpenAIError(
+                401,
+                "You didn't provide an API key. Pass it as 'Authorization: Bearer KEY'.",
+                INVALID_REQUEST,
+                code="invalid_api_key",
+            )
+        # Constant-time comparison, so timing does not leak how much of a guess was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise OpenAIError(
+                401, "Incorrect API key provided.", INVALID_REQUEST, code="invalid_api_key"
+            )
+
+    return check
+
+
+# ---------------------------------------------------------------------- running it
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, plus: abort the engine's requests once the shutdown grace period is over."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info("shutting down: waiting up to %.0f s for requests in flight", self._grace_s)
+        timer = asyncio.get_running_loop().call_later(self._grace_s, self._engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def run_server(
+    engine: AsyncLLMEngine,
+    config: ServerConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> int:
+    """Serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown."""
+    app = build_app(engine, config)
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="on",
+        # Backstop only: our abort at ``shutdown_timeout`` normally ends every response.
+        timeout_graceful_shutdown=int(shutdown_timeout) + 10,
+    )
+    server = _GracefulServer(uv_config, engine, shutdown_timeout)
+    # After its graceful shutdown uvicorn re-raises the signal it caught, through the
+    # handler that was installed before it started. Ours is a no-op, so a SIGTERM or
+    # Ctrl-C that ended a clean shutdown does not turn into a non-zero exit.
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _after_shutdown) for sig in handled}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        return 1
+    return 0
+
+
+def _after_shutdown(signum: int, frame: FrameType | None) -> None:
+    del signum, frame  # uvicorn has already shut down; nothing left to do

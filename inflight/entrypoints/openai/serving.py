@@ -1,0 +1,210 @@
+"""What every generation route shares: server state, body parsing, adding requests to the
+engine, server-sent events, merging several requests' streams, and client disconnects.
+
+Disconnects: a streaming response is cancelled by Starlette when the client goes away; a
+non-streaming one is raced against the connection here (:func:`until_disconnect`). Either
+way the cancellation reaches a ``finally: stream.close()``, which aborts the engine
+request and frees its KV blocks before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request, Response
+from pydantic import BaseModel, ValidationError
+
+from inflight.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestDelta,
+    RequestStream,
+)
+from inflight.entrypoints.openai.errors import (
+    SERVER_ERROR,
+    OpenAIError,
+    from_engine_error,
+    from_validation_error,
+)
+from inflight.metrics.prometheus import PrometheusMetrics
+from inflight.sampling_params import SamplingParams
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The server's own options (the engine's live in the engine)."""
+
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    chat_template: str | None = None  # overrides the tokenizer's template when set
+
+
+@dataclass(frozen=True, slots=True)
+class ServerState:
+    engine: AsyncLLMEngine
+    config: ServerConfig
+    metrics: PrometheusMetrics
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def resolve_model(self, name: str | None) -> str:
+        """The served name a request asked for (the first one if it named none), or 404."""
+        if name is None:
+            return self.model_name
+        if name not in self.config.served_model_names:
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
+
+async def parse_body(raw: Request, model: type[M]) -> M:
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def json_response(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def engine_failure(error: Exception) -> OpenAIError:
+    """An engine-side failure while a request was running is a 500, ours not the client's."""
+    return OpenAIError(500, f"The engine failed while serving this request: {error}", SERVER_ERROR)
+
+
+async def add_requests(
+    engine: AsyncLLMEngine,
+    base_id: str,
+    prompts: Sequence[tuple[str | None, list[int]]],
+    params: SamplingParams,
+    priority: int,
+    arrival_time: float,
+) -> list[RequestStream]:
+    """Add one engine request per prompt (ids ``base_id-i``); all or none are kept."""
+    streams: list[RequestStream] = []
+    try:
+        for index, (text, token_ids) in enumerate(prompts):
+            streams.append(
+                await engine.add_request(
+                    f"{base_id}-{index}",
+                    {"prompt": text, "prompt_token_ids": token_ids},
+                    params,
+                    priority=priority,
+                    arrival_time=arrival_time,
+                )
+            )
+    except BaseException as error:
+        for stream in streams:
+            stream.close()
+        if isinstance(error, EngineShutdownError):
+            raise OpenAIError(503, "The server is shutting down.", SERVER_ERROR) from error
+        if isinstance(error, EngineDeadError):
+            raise OpenAIError(503, str(error), SERVER_ERROR) from error
+        if isinstance(error, (ValueError, TypeError)):
+            raise from_engine_error(error) from error
+        raise
+    return streams
+
+
+async def collect(stream: RequestStream) -> tuple[str, RequestDelta]:
+    """All of a request's text and its final delta; aborts it if cancelled."""
+    parts: list[str] = []
+    last: RequestDelta | None = None
+    try:
+        async for delta in stream:
+            parts.append(delta.text)
+            last = delta
+    finally:
+        stream.close()
+    assert last is not None and last.finished
+    return "".join(parts), last
+
+
+async def merge_streams(
+    streams: Sequence[RequestStream],
+) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Deltas of several requests as they come, tagged with the request's index."""
+    if len(streams) == 1:  # the common case needs no tasks
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    merged: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                merged.put_nowait((index, delta))
+        except Exception as error:
+            merged.put_nowait((index, error))
+        merged.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def sse(body: BaseModel | dict[str, Any]) -> str:
+    payload = body.model_dump_json() if isinstance(body, BaseModel) else _dumps(body)
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _dumps(body: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(body, separators=(",", ":"))
+
+
+async def until_disconnect(raw: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Run ``work``, cancelling it (which aborts its requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    # Nobody is listening; the status only shows up in the access log.
+    return Response(status_code=499)
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body has been read already, so the next message can only be the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,50 @@
+"""Fixtures for the benchmark tests: one small bench run shared by the CLI and plot tests."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from inflight.entrypoints.cli import main
+
+
+@dataclass
+class BenchRun:
+    out_dir: Path
+    results: dict
+
+
+@pytest.fixture(scope="session")
+def bench_run(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+    """Static, continuous and transformers on 6 synthetic requests with 4 slots, in-process."""
+    out_dir = tmp_path_factory.mktemp("bench")
+    code = main(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(tiny_llama_dir),
+            "--dtype",
+            "float32",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--range-ratio",
+            "0.5",
+            "--num-prompts",
+            "6",
+            "--max-num-seqs",
+            "4",
+            "--compare",
+            "--hf-baseline",
+            "--no-isolate",
+            "--output-json",
+            str(out_dir / "results.json"),
+        ]
+    )
+    assert code == 0
+    return BenchRun(out_dir, json.loads((out_dir / "results.json").read_text()))

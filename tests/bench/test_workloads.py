@@ -1,0 +1,69 @@
+"""Workload generators: identical to the project's make_workload.py, and well-formed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inflight.bench import workloads
+
+SHARED_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "bench" / "make_workload.py"
+
+
+@pytest.mark.parametrize("kind", [["seed8"], ["mixed"], ["online", "0.5"]])
+def test_named_workloads_match_the_shared_generator(kind: list[str]) -> None:
+    if not SHARED_SCRIPT.is_file():
+        pytest.skip(f"{SHARED_SCRIPT} is not available")
+    text = subprocess.run(
+        [sys.executable, str(SHARED_SCRIPT), *kind], check=True, capture_output=True, text=True
+    ).stdout
+    expected = [json.loads(line) for line in text.splitlines() if line.strip()]
+    rate = float(kind[1]) if len(kind) > 1 else None
+    assert [r.to_json() for r in workloads.named(kind[0], rate).requests] == expected
+
+
+def test_seed8_is_the_source_documents_example() -> None:
+    w = workloads.seed8()
+    assert [r.max_tokens for r in w.requests] == [500] + [50] * 7
+    assert all(len(r.prompt_token_ids) == 128 for r in w.requests)
+
+
+def test_synthetic_lengths_stay_in_range() -> None:
+    w = workloads.synthetic(50, input_len=100, output_len=20, range_ratio=0.5, seed=3)
+    assert len(w.requests) == 50
+    assert all(50 <= len(r.prompt_token_ids) <= 150 for r in w.requests)
+    assert all(10 <= r.max_tokens <= 30 for r in w.requests)
+    fixed = workloads.synthetic(4, input_len=7, output_len=5)
+    assert {(len(r.prompt_token_ids), r.max_tokens) for r in fixed.requests} == {(7, 5)}
+
+
+def test_head_repeat_and_file_round_trip(tmp_path: Path) -> None:
+    w = workloads.mixed().head(5).repeat(2)
+    assert w.name == "mixed[:5]x2" and len(w.requests) == 10
+    assert [r.id for r in w.requests] == list(range(10))
+    assert w.requests[7].prompt_token_ids == w.requests[2].prompt_token_ids
+    w.write_jsonl(tmp_path / "w.jsonl")
+    back = workloads.resolve(str(tmp_path / "w.jsonl"))
+    assert back.requests == w.requests and back.num_output_tokens == w.num_output_tokens
+
+
+def test_fit_to_vocab_keeps_lengths_and_folds_ids() -> None:
+    w = workloads.seed8()
+    folded, changed = workloads.fit_to_vocab(w, 512)
+    assert changed
+    assert all(64 <= t < 512 for r in folded.requests for t in r.prompt_token_ids)
+    assert [len(r.prompt_token_ids) for r in folded.requests] == [128] * 8
+    assert workloads.fit_to_vocab(folded, 512) == (folded, False)
+
+
+def test_bad_workloads_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        workloads.resolve("no-such-workload")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match="max_tokens"):
+        workloads.resolve(str(bad))

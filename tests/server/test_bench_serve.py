@@ -1,0 +1,99 @@
+"""``inflight bench serve`` against the running server: every request measured, JSON out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from server_harness import API_KEY, ServerProcess
+
+from inflight.entrypoints.cli import main
+
+STAT_KEYS = [
+    f"{stat}_{metric}_ms"
+    for metric in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "p95", "p99")
+]
+
+
+def test_synthetic_all_at_once(tiny_server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "synthetic.json"
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            tiny_server.url,
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "12",
+            "--random-input-len",
+            "6",
+            "--random-output-len",
+            "10",
+            "--random-token-low",
+            "3",
+            "--random-token-high",
+            "500",
+            "--request-rate",
+            "inf",
+            "--result-json",
+            str(out),
+            "--disable-tqdm",
+            "--label",
+            "smoke",
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["model"] == "tiny" and result["request_rate"] == "inf"
+    assert result["total_input_tokens"] == 12 * 6
+    assert result["total_output_tokens"] == 12 * 10
+    for key in STAT_KEYS:
+        assert result[key] >= 0, key
+    assert result["median_ttft_ms"] <= result["p99_ttft_ms"]
+    assert result["request_throughput"] > 0 and result["output_throughput"] > 0
+    assert all(r["ok"] and r["output_tokens"] == 10 for r in result["requests"])
+
+
+def test_workload_file_with_arrivals_and_concurrency_cap(
+    tiny_server: ServerProcess, tmp_path: Path
+) -> None:
+    workload = tmp_path / "workload.jsonl"
+    rows = [
+        {
+            "id": i,
+            "prompt_token_ids": [3 + i, 4 + i, 5 + i],
+            "max_tokens": 4 + i,
+            "arrival_s": 0.05 * i,
+        }
+        for i in range(6)
+    ]
+    workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "workload.json"
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            tiny_server.url,
+            "--api-key",
+            API_KEY,
+            "--workload",
+            str(workload),
+            "--num-prompts",
+            "5",
+            "--max-concurrency",
+            "2",
+            "--result-json",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 5 and result["request_rate"] == "workload"
+    assert result["total_output_tokens"] == sum(4 + i for i in range(5))
+    assert result["duration_s"] >= 0.2  # the last request is not sent before 0.2 s

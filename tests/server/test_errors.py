@@ -1,0 +1,211 @@
+"""Every bad request gets OpenAI's error object and the right 4xx, and serving goes on."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_harness import API_KEY, ServerProcess
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def assert_openai_error(
+    response: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def post(server: ServerProcess, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    headers = kwargs.pop("headers", AUTH)
+    if isinstance(body, (str, bytes)):
+        return httpx.post(f"{server.url}{path}", content=body, headers=headers, **kwargs)
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, **kwargs)
+
+
+def ok_completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "w3 w4", "max_tokens": 4, "temperature": 0} | extra
+
+
+@pytest.mark.parametrize("body", ["{not json", "", "[1, 2]", '"a string"'])
+def test_invalid_json(tiny_server: ServerProcess, body: str) -> None:
+    assert_openai_error(post(tiny_server, "/v1/completions", body), 400)
+
+
+def test_unknown_model(tiny_server: ServerProcess) -> None:
+    for path, body in (
+        ("/v1/completions", ok_completion(model="gpt-4")),
+        (
+            "/v1/chat/completions",
+            {"model": "gpt-4", "messages": [{"role": "user", "content": "w3"}]},
+        ),
+    ):
+        assert_openai_error(post(tiny_server, path, body), 404, "model", "model_not_found")
+    response = httpx.get(f"{tiny_server.url}/v1/models/gpt-4", headers=AUTH)
+    assert_openai_error(response, 404, "model", "model_not_found")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "8"),
+        ("max_tokens", 2.5),
+        ("temperature", "hot"),
+        ("prompt", 5),
+        ("prompt", [1, "w3"]),
+        ("stream", "yes"),
+        ("stop", 7),
+        ("seed", True),
+        ("priority", "high"),
+        ("stop_token_ids", ["2"]),
+    ],
+)
+def test_wrong_types(tiny_server: ServerProcess, field: str, value: Any) -> None:
+    response = post(tiny_server, "/v1/completions", ok_completion(**{field: value}))
+    assert_openai_error(response, 400, field, "invalid_type")
+
+
+def test_wrong_types_in_chat(tiny_server: ServerProcess) -> None:
+    for messages in ("hi", [{"content": "w3"}], [{"role": "robot", "content": "w3"}], []):
+        body = {"model": "tiny", "messages": messages}
+        assert_openai_error(post(tiny_server, "/v1/chat/completions", body), 400, "messages")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 2.5),
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("presence_penalty", 3),
+        ("n", 0),
+    ],
+)
+def test_out_of_range(tiny_server: ServerProcess, field: str, value: Any) -> None:
+    response = post(tiny_server, "/v1/completions", ok_completion(**{field: value}))
+    assert_openai_error(response, 400, field, "invalid_value")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"best_of": 3}, "best_of"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [600]}, "prompt"),
+    ],
+)
+def test_unsupported_or_inconsistent(
+    tiny_server: ServerProcess, extra: dict[str, Any], param: str
+) -> None:
+    response = post(tiny_server, "/v1/completions", ok_completion(**extra))
+    assert_openai_error(response, 400, param)
+
+
+def test_missing_required_field(tiny_server: ServerProcess) -> None:
+    response = post(tiny_server, "/v1/completions", {"model": "tiny"})
+    assert_openai_error(response, 400, "prompt", "missing_required_parameter")
+
+
+def test_prompt_over_max_model_len(tiny_server: ServerProcess) -> None:
+    long_prompt = [5] * 600  # the tiny model's context is 512 tokens
+    response = post(tiny_server, "/v1/completions", ok_completion(prompt=long_prompt))
+    error = assert_openai_error(response, 400, "prompt", "context_length_exceeded")
+    assert "512" in error["message"]
+    response = post(tiny_server, "/v1/completions", ok_completion(prompt=[5] * 500, max_tokens=100))
+    assert_openai_error(response, 400, "max_tokens", "context_length_exceeded")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5 " * 600}]}
+    response = post(tiny_server, "/v1/chat/completions", chat)
+    assert_openai_error(response, 400, "messages", "context_length_exceeded")
+
+
+def test_bad_chat_template(tiny_server: ServerProcess) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "w3"}],
+        "chat_template": "{% for m in messages %}{{ m.content ",
+    }
+    assert_openai_error(post(tiny_server, "/v1/chat/completions", body), 400, "messages")
+
+
+def test_api_key(tiny_server: ServerProcess) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in (
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/v1/models"),
+        ):
+            response = httpx.request(
+                method, f"{tiny_server.url}{path}", headers=headers, json=ok_completion()
+            )
+            assert_openai_error(response, 401, code="invalid_api_key")
+    # Only /v1 is protected: probes and scrapers need no key.
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(f"{tiny_server.url}{path}").status_code == 200
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as raised:
+        client.models.list()
+    assert raised.value.status_code == 401
+
+
+def test_openai_client_sees_bad_request(tiny_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="tiny", prompt="w3", temperature=5)
+    assert raised.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="w3")
+
+
+def test_unknown_route_and_method(tiny_server: ServerProcess) -> None:
+    assert_openai_error(httpx.get(f"{tiny_server.url}/v1/nothing", headers=AUTH), 404)
+    assert_openai_error(httpx.get(f"{tiny_server.url}/v1/completions", headers=AUTH), 405)
+
+
+def test_errors_do_not_disturb_other_requests(tiny_server: ServerProcess) -> None:
+    """A stream in flight completes while bad requests are rejected beside it."""
+    received: list[str] = []
+
+    def stream() -> None:
+        body = ok_completion(max_tokens=200, stream=True, ignore_eos=True)
+        with httpx.stream(
+            "POST", f"{tiny_server.url}/v1/completions", json=body, headers=AUTH, timeout=60
+        ) as response:
+            received.extend(line for line in response.iter_lines() if line.startswith("data:"))
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    for _ in range(5):
+        assert_openai_error(post(tiny_server, "/v1/completions", "{bad"), 400)
+        assert_openai_error(
+            post(tiny_server, "/v1/completions", ok_completion(prompt=[9999])), 400, "prompt"
+        )
+        assert_openai_error(post(tiny_server, "/v1/completions", ok_completion(top_p=7)), 400)
+    worker.join(60)
+    assert received[-1] == "data: [DONE]"
+    assert len(received) == 201  # 200 token chunks, then [DONE]
+    response = post(tiny_server, "/v1/completions", ok_completion())
+    assert response.status_code == 200 and response.json()["choices"][0]["text"]

@@ -1,0 +1,90 @@
+"""Paged attention backends against a dense causal reference, on mixed varlen batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inflight.attention import cpu_kernels
+from inflight.attention.torch_paged import paged_attention
+from inflight.core.interface import ScheduledRequest, SchedulerOutput
+from inflight.sampling_params import SamplingParams
+from inflight.worker.input_batch import build_model_inputs
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 64
+
+
+def dense_reference(q_all, k_all, v_all, context_len, scale):
+    """Causal attention for one sequence's last q_len tokens over its whole context."""
+    q_len = q_all.shape[0]
+    q = q_all.transpose(0, 1)  # [H, q_len, D]
+    k = k_all[:context_len].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, dim=0)
+    v = v_all[:context_len].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, dim=0)
+    positions = torch.arange(context_len - q_len, context_len)
+    mask = torch.arange(context_len)[None, :] <= positions[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+
+
+def make_step(seed: int, kv_dtype: torch.dtype):
+    """A random mixed step: (cached prefix, new chunk) per sequence, blocks shuffled."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    shapes = [(rng.randrange(0, 40), 1) for _ in range(4)] + [
+        (rng.randrange(0, 30), rng.randrange(2, 37)) for _ in range(3)
+    ]
+    rng.shuffle(shapes)
+    free_blocks = list(range(NUM_BLOCKS))
+    rng.shuffle(free_blocks)
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    scheduled, per_seq = [], []
+    params = SamplingParams()
+    for i, (cached, new) in enumerate(shapes):
+        total = cached + new
+        blocks = [free_blocks.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        k_all = torch.randn(total, KV_HEADS, HEAD_DIM)
+        v_all = torch.randn(total, KV_HEADS, HEAD_DIM)
+        for pos in range(cached):  # the prefix is already in the cache
+            k_cache[blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = k_all[pos]
+            v_cache[blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = v_all[pos]
+        scheduled.append(ScheduledRequest(
+            request_id=str(i), token_ids=[0] * new, start_position=cached, block_ids=blocks,
+            sample=True, is_prefill=new > 1, sampling_params=params, slot=i,
+        ))
+        per_seq.append((k_all, v_all, total, new))
+    q = torch.randn(sum(n for _, n in shapes), HEADS, HEAD_DIM)
+    k_new = torch.cat([k[-n:] for k, _, _, n in per_seq])
+    v_new = torch.cat([v[-n:] for _, v, _, n in per_seq])
+    return SchedulerOutput(step_id=0, scheduled=scheduled), q, k_new, v_new, k_cache, v_cache, per_seq
+
+
+BACKENDS = {
+    "torch": dict(varlen_decode=False, varlen_prefill=False),
+    "cpp-decode": dict(varlen_decode=True, varlen_prefill=False),
+    "cpp-all": dict(varlen_decode=True, varlen_prefill=True),
+}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_attention_matches_dense(backend, kv_dtype, seed):
+    if backend != "torch" and not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    step, q, k_new, v_new, k_cache, v_cache, per_seq = make_step(seed, kv_dtype)
+    inputs = build_model_inputs(step, BLOCK_SIZE, torch.device("cpu"), **BACKENDS[backend])
+    scale = HEAD_DIM**-0.5
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, inputs.attention, scale)
+
+    tolerance = 1e-5 if kv_dtype == torch.float32 else 3e-2
+    offset = 0
+    for k_all, v_all, total, new in per_seq:
+        # the reference sees the same (possibly rounded) K/V the cache holds
+        k_ref = k_all.to(kv_dtype).float()
+        v_ref = v_all.to(kv_dtype).float()
+        expected = dense_reference(q[offset : offset + new], k_ref, v_ref, total, scale)
+        torch.testing.assert_close(out[offset : offset + new], expected, atol=tolerance, rtol=tolerance)
+        offset += new
