@@ -86,8 +86,10 @@ def run_inflight(
     *,
     warmup: bool = True,
     use_tqdm: bool = False,
+    threads: int | None = None,
 ) -> RunResult:
     """Run ``workload`` through ``LLM.generate`` once, timed, with the step trace on."""
+    set_threads(threads)
     from inflight import LLM, SamplingParams
 
     llm = LLM(model, **{**options, "record_trace": True})
@@ -151,6 +153,7 @@ def run_inflight(
             "block_size": config.cache.block_size,
             "num_kv_blocks": engine.kv_cache.num_blocks,
             "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
+            "threads": _torch_threads(),
         },
     )
     return RunResult(report, records, folded)
@@ -163,6 +166,21 @@ def _check_fits(workload: Workload, max_model_len: int) -> None:
                 f"request {r.id} needs {len(r.prompt_token_ids)} + {r.max_tokens} tokens, more "
                 f"than the model's max_model_len={max_model_len}"
             )
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def set_threads(threads: int | None) -> None:
+    """Pin torch's intra-op threads; on a busy shared machine fewer threads wait less
+    on each other (an OpenMP team stalls whenever one of its threads is descheduled)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def run_isolated(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

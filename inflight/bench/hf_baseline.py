@@ -24,6 +24,7 @@ from inflight.bench.engine_run import (
     WARMUP_MAX_TOKENS,
     WARMUP_PROMPT_LEN,
     RunResult,
+    set_threads,
     summarise,
 )
 from inflight.bench.report import RequestLatency, request_latency
@@ -56,9 +57,12 @@ def run_transformers(
     *,
     dtype: str = "float32",
     warmup: bool = True,
+    threads: int | None = None,
 ) -> RunResult:
     """Run ``workload`` through ``model.generate`` in static batches of ``batch_size``."""
     import torch
+
+    set_threads(threads)
 
     hf = load_hf_model(model, dtype)
     workload, folded = fit_to_vocab(workload, hf.config.vocab_size)

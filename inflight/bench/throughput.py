@@ -88,6 +88,12 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="transformers batch size (default: max-num-seqs)",
     )
+    runs.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per run (default: torch's choice); 1 is steadier on a busy machine",
+    )
     runs.add_argument("--no-warmup", dest="warmup", action="store_false", default=True)
     runs.add_argument(
         "--no-isolate",
@@ -179,11 +185,11 @@ def execute(
     if planned.engine == "transformers":
         fn: Any = run_transformers
         call_args: tuple = (workload, args.model, args.hf_batch_size or options["max_num_seqs"])
-        kwargs: dict[str, Any] = {"warmup": args.warmup}
+        kwargs: dict[str, Any] = {"warmup": args.warmup, "threads": args.threads}
     else:
         fn = run_inflight
         call_args = (workload, args.model, {**options, "batching": planned.batching})
-        kwargs = {"warmup": args.warmup, "use_tqdm": args.progress}
+        kwargs = {"warmup": args.warmup, "use_tqdm": args.progress, "threads": args.threads}
     return run_isolated(fn, *call_args, **kwargs) if args.isolate else fn(*call_args, **kwargs)
 
 

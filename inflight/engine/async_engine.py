@@ -508,11 +508,12 @@ def _deliver_on_loop(items: list[_Reply | _Delivery]) -> None:
         if isinstance(target, RequestStream):
             assert item is not None
             target._put(item)
-        elif not target.done():  # the caller may have been cancelled meanwhile
-            if item is None:
-                target.set_result(None)
-            else:
-                target.set_exception(item)
+        elif target.done():
+            continue  # the caller was cancelled meanwhile
+        elif isinstance(item, BaseException):
+            target.set_exception(item)
+        else:
+            target.set_result(None)
 
 
 def _finished_stats(live: _Live, reason: str, now: float) -> FinishedRequestStats:

@@ -12,6 +12,7 @@ so two servers (or two tests) in one process never share or collide on metrics.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -91,25 +92,26 @@ class PrometheusMetrics:
     def __init__(self, read_stats: Callable[[], EngineStats], model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(read_stats, model_name))
-        common = {"labelnames": ["model_name"], "registry": self.registry}
-        self._ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time to first token.",
-            buckets=TTFT_BUCKETS,
-            **common,
-        ).labels(model_name)
-        self._tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            family = Histogram(
+                PREFIX + name,
+                doc,
+                labelnames=["model_name"],
+                registry=self.registry,
+                buckets=buckets,
+            )
+            return family.labels(model_name)
+
+        self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self._tpot = histogram(
+            "time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
-            buckets=TPOT_BUCKETS,
-            **common,
-        ).labels(model_name)
-        self._e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            buckets=E2E_BUCKETS,
-            **common,
-        ).labels(model_name)
+            TPOT_BUCKETS,
+        )
+        self._e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS
+        )
         self._success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",

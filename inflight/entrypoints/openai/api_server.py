@@ -26,6 +26,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 
 from inflight.engine.async_engine import AsyncLLMEngine
 from inflight.entrypoints.openai.errors import (
@@ -125,7 +126,7 @@ def _service_router(state: ServerState, version: str) -> APIRouter:
 
     @router.get("/version")
     async def version_route() -> Response:
-        return Response(f'{{"version":"{version}"}}', media_type="application/json")
+        return JSONResponse({"version": version})
 
     @router.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
@@ -205,7 +206,7 @@ def _api_key_check(api_key: str | None) -> Any:
 # ---------------------------------------------------------------------- running it
 
 
-class _GracefulServer(uvicorn.Server):
+class GracefulServer(uvicorn.Server):
     """uvicorn, plus: abort the engine's requests once the shutdown grace period is over."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace_s: float) -> None:
@@ -244,7 +245,7 @@ def run_server(
         # Backstop only: our abort at ``shutdown_timeout`` normally ends every response.
         timeout_graceful_shutdown=int(shutdown_timeout) + 10,
     )
-    server = _GracefulServer(uv_config, engine, shutdown_timeout)
+    server = GracefulServer(uv_config, engine, shutdown_timeout)
     # After its graceful shutdown uvicorn re-raises the signal it caught, through the
     # handler that was installed before it started. Ours is a no-op, so a SIGTERM or
     # Ctrl-C that ended a clean shutdown does not turn into a non-zero exit.

@@ -10,6 +10,7 @@ request and frees its KV blocks before the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -177,8 +178,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _dumps(body: dict[str, Any]) -> str:
-    import json
-
     return json.dumps(body, separators=(",", ":"))
 
 
