@@ -48,5 +48,7 @@ class VarlenGroup:
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
+    slot_block: torch.Tensor  # [T] int64: slot_mapping // block_size
+    slot_offset: torch.Tensor  # [T] int64: slot_mapping % block_size
     decode: PaddedGroup | VarlenGroup | None
     prefill: PaddedGroup | VarlenGroup | None

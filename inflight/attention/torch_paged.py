@@ -1,9 +1,10 @@
 """Paged attention over a step's groups of sequences.
 
-KV cache layout, one tensor pair per layer::
+KV cache layout, one tensor pair per layer (see ``worker/kv_cache.py``)::
 
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    flat view:        [num_blocks * block_size, num_kv_heads, head_dim]  (index = slot)
+    k_cache: [num_blocks, num_kv_heads, head_dim, block_size]   (keys transposed)
+    v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block * block_size + offset
 
 Each step first writes the new tokens' K/V at their slots. Then each group of sequences
 is served by one call: a :class:`VarlenGroup` by the C++ kernel that walks block tables in
@@ -18,15 +19,18 @@ import torch.nn.functional as F
 
 from inflight.attention import cpu_kernels
 from inflight.attention.metadata import AttentionMetadata, PaddedGroup, VarlenGroup
+from inflight.worker.kv_cache import key_token_view
 
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    metadata: AttentionMetadata,
 ) -> None:
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    key_token_view(k_cache)[metadata.slot_block, metadata.slot_offset] = k.to(k_cache.dtype)
+    num_slots = v_cache.shape[0] * v_cache.shape[1]
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(
+        0, metadata.slot_mapping, v.to(v_cache.dtype)
+    )
 
 
 def paged_attention(
@@ -35,7 +39,7 @@ def paged_attention(
     metadata: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D]."""
-    write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+    write_kv(k_cache, v_cache, k, v, metadata)
     out = torch.empty_like(q)
     for group in (metadata.decode, metadata.prefill):
         if isinstance(group, VarlenGroup):
@@ -65,12 +69,14 @@ def _attend_padded(
     group: PaddedGroup, scale: float, out: torch.Tensor,
 ) -> None:
     num_seqs, max_blocks = group.block_tables.shape
-    block_size = k_cache.shape[1]
+    block_size = v_cache.shape[1]
     # [S, max_q, H, D] -> [S, H, max_q, D]
     q_padded = q[group.token_index].transpose(1, 2)
     # [S, max_blocks, bs, KVH, D] -> [S, KVH, max_kv, D]
-    keys = k_cache[group.block_tables].reshape(num_seqs, max_blocks * block_size, *k_cache.shape[2:])
-    values = v_cache[group.block_tables].reshape(keys.shape)
+    values = v_cache[group.block_tables].reshape(
+        num_seqs, max_blocks * block_size, *v_cache.shape[2:]
+    )
+    keys = key_token_view(k_cache)[group.block_tables].reshape(values.shape)
     attn = F.scaled_dot_product_attention(
         q_padded, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
         attn_mask=group.mask, scale=scale, enable_gqa=True,

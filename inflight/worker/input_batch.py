@@ -73,7 +73,11 @@ def build_model_inputs(
         input_ids=to_device(input_ids),
         positions=to_device(positions),
         attention=AttentionMetadata(
-            slot_mapping=to_device(slot_mapping), decode=groups["decode"], prefill=groups["prefill"]
+            slot_mapping=to_device(slot_mapping),
+            slot_block=to_device(block_of_token),
+            slot_offset=to_device(positions % block_size),
+            decode=groups["decode"],
+            prefill=groups["prefill"],
         ),
         logits_indices=to_device(logits_indices),
         sampled=sampled,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def test_requests_past_the_grace_period_are_aborted_cleanly(tiny_llama_dir: Path
     try:
         while not server.started:
             assert thread.is_alive()
-            threading.Event().wait(0.05)
+            time.sleep(0.05)
         workers, results = start_streams(url, [480, 480, 480])
         server.should_exit = True
         for worker in workers:

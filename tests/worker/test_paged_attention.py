@@ -13,8 +13,9 @@ from inflight.attention.torch_paged import paged_attention
 from inflight.core.interface import ScheduledRequest, SchedulerOutput
 from inflight.sampling_params import SamplingParams
 from inflight.worker.input_batch import build_model_inputs
+from inflight.worker.kv_cache import key_token_view
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 64
+HEADS, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 6, 2, 32, 64
 
 
 def dense_reference(q_all, k_all, v_all, context_len, scale):
@@ -28,7 +29,7 @@ def dense_reference(q_all, k_all, v_all, context_len, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
 
 
-def make_step(seed: int, kv_dtype: torch.dtype):
+def make_step(seed: int, kv_dtype: torch.dtype, block_size: int):
     """A random mixed step: (cached prefix, new chunk) per sequence, blocks shuffled."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -38,18 +39,19 @@ def make_step(seed: int, kv_dtype: torch.dtype):
     rng.shuffle(shapes)
     free_blocks = list(range(NUM_BLOCKS))
     rng.shuffle(free_blocks)
-    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=kv_dtype)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache = torch.zeros(NUM_BLOCKS, KV_HEADS, HEAD_DIM, block_size, dtype=kv_dtype)
+    v_cache = torch.zeros(NUM_BLOCKS, block_size, KV_HEADS, HEAD_DIM, dtype=kv_dtype)
+    keys = key_token_view(k_cache)
     scheduled, per_seq = [], []
     params = SamplingParams()
     for i, (cached, new) in enumerate(shapes):
         total = cached + new
-        blocks = [free_blocks.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        blocks = [free_blocks.pop() for _ in range(-(-total // block_size))]
         k_all = torch.randn(total, KV_HEADS, HEAD_DIM)
         v_all = torch.randn(total, KV_HEADS, HEAD_DIM)
         for pos in range(cached):  # the prefix is already in the cache
-            k_cache[blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = k_all[pos]
-            v_cache[blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = v_all[pos]
+            keys[blocks[pos // block_size], pos % block_size] = k_all[pos]
+            v_cache[blocks[pos // block_size], pos % block_size] = v_all[pos]
         scheduled.append(ScheduledRequest(
             request_id=str(i), token_ids=[0] * new, start_position=cached, block_ids=blocks,
             sample=True, is_prefill=new > 1, sampling_params=params, slot=i,
@@ -68,14 +70,15 @@ BACKENDS = {
 }
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("seed", range(4))
-def test_paged_attention_matches_dense(backend, kv_dtype, seed):
+def test_paged_attention_matches_dense(backend, kv_dtype, block_size, seed):
     if backend != "torch" and not cpu_kernels.available():
         pytest.skip("the C++ kernel could not be built here")
-    step, q, k_new, v_new, k_cache, v_cache, per_seq = make_step(seed, kv_dtype)
-    inputs = build_model_inputs(step, BLOCK_SIZE, torch.device("cpu"), **BACKENDS[backend])
+    step, q, k_new, v_new, k_cache, v_cache, per_seq = make_step(seed, kv_dtype, block_size)
+    inputs = build_model_inputs(step, block_size, torch.device("cpu"), **BACKENDS[backend])
     scale = HEAD_DIM**-0.5
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, inputs.attention, scale)
 

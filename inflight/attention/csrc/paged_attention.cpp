@@ -2,16 +2,20 @@
 // prompt chunks and decode tokens alike, reading K/V in place through block tables.
 //
 //   q:            [T, H, D]   float32, the step's query tokens, sequence after sequence
-//   k/v_cache:    [num_blocks, block_size, KVH, D]   float32 or bfloat16
+//   k_cache:      [num_blocks, KVH, D, block_size]   float32 or bfloat16 (keys transposed)
+//   v_cache:      [num_blocks, block_size, KVH, D]   same dtype
 //   block_tables: [S, max_blocks] int32
 //   query_start:  [S + 1] int32   tokens of sequence s are q[query_start[s] : query_start[s+1]]
 //   seq_lens:     [S] int32       context length of s after this step (cached + new)
-//   out:          [T, H, D] float32
+//   returns:      [T, H, D] float32
 //
 // Query i of sequence s sits at position seq_lens[s] - q_len + i and sees keys 0..position
 // (causal over the cached prefix and the chunk). Work is split into (sequence, query tile,
-// KV head) items; the G = H / KVH query heads sharing a KV head are processed together so
-// each key and value row is loaded once per tile.
+// KV head) items; the G = H / KVH query heads that share a KV head are done together.
+//
+// Why keys are stored transposed: with a block's keys laid out [D][block_size], the scores
+// of 16 keys for one query are 16 lanes of one vector accumulated over d by broadcast FMAs,
+// with no horizontal reductions. Values stay row-major: out += p * v is a plain AXPY.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,9 +28,14 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kQueryTile = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float load(float x) { return x; }
 inline float load(at::BFloat16 x) {
@@ -36,23 +45,9 @@ inline float load(at::BFloat16 x) {
   return f;
 }
 
-template <typename kv_t>
-inline void to_float(const kv_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = load(src[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
+struct Shape {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+};
 
 struct WorkItem {
   int32_t seq;
@@ -61,94 +56,210 @@ struct WorkItem {
   int32_t kv_head;
 };
 
+// ---------------------------------------------------------------- vector helpers (AVX-512)
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 as 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial
+// (relative error ~1e-7); very negative inputs (masked scores) give exactly 0.
+inline __m512 exp512(__m512 x) {
+  const __m512 live = x;
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __mmask16 keep = _mm512_cmp_ps_mask(live, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+#endif
+
+// ---------------------------------------------------------------- one work item
+template <typename kv_t>
+struct Item {
+  const Shape& shape;
+  const kv_t* k_cache;
+  const kv_t* v_cache;
+  const int32_t* table;
+  int64_t kv_head;
+  int64_t rows;        // queries in the tile x heads in the group
+  int64_t num_keys;    // keys the last query of the tile can see
+  int64_t padded_keys; // num_keys rounded up to whole blocks
+  const float* queries;  // [rows, D], already scaled
+  float* scores;         // [rows, padded_keys]
+  float* out;            // [rows, D]
+
+  const kv_t* key_block(int64_t b) const {  // [D][block_size]
+    const int64_t block = table[b];
+    return k_cache + (block * shape.num_kv_heads + kv_head) * shape.head_dim * shape.block_size;
+  }
+  const kv_t* value_row(int64_t t) const {  // [D]
+    const int64_t block = table[t / shape.block_size];
+    const int64_t slot = block * shape.block_size + t % shape.block_size;
+    return v_cache + (slot * shape.num_kv_heads + kv_head) * shape.head_dim;
+  }
+
+  void compute_scores() {
+    const int64_t D = shape.head_dim, bs = shape.block_size;
+#if defined(__AVX512F__)
+    if (bs == 16) {
+      constexpr int64_t kRows = 8;
+      for (int64_t b = 0; b * bs < num_keys; ++b) {
+        const kv_t* kb = key_block(b);
+        for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+          const int64_t nr = std::min(kRows, rows - r0);
+          __m512 acc[kRows];
+          for (int64_t j = 0; j < kRows; ++j) acc[j] = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; ++d) {
+            const __m512 kd = load16(kb + d * bs);
+            for (int64_t j = 0; j < nr; ++j)
+              acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(queries[(r0 + j) * D + d]), kd, acc[j]);
+          }
+          for (int64_t j = 0; j < nr; ++j)
+            _mm512_storeu_ps(scores + (r0 + j) * padded_keys + b * bs, acc[j]);
+        }
+      }
+      return;
+    }
+#endif
+    for (int64_t b = 0; b * bs < num_keys; ++b) {
+      const kv_t* kb = key_block(b);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = scores + r * padded_keys + b * bs;
+        for (int64_t i = 0; i < bs; ++i) row[i] = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = queries[r * D + d];
+          for (int64_t i = 0; i < bs; ++i) row[i] += qd * load(kb[d * bs + i]);
+        }
+      }
+    }
+  }
+
+  // Softmax of row r over its visible keys [0, visible); the rest become 0.
+  void softmax_row(int64_t r, int64_t visible) {
+    float* row = scores + r * padded_keys;
+    for (int64_t t = visible; t < padded_keys; ++t) row[t] = kNegInf;
+    float max_score = kNegInf;
+    for (int64_t t = 0; t < visible; ++t) max_score = std::max(max_score, row[t]);
+    float total = 0.f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 m = _mm512_set1_ps(max_score);
+    __m512 sum = _mm512_setzero_ps();
+    for (; t + 16 <= padded_keys; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
+      _mm512_storeu_ps(row + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; t < padded_keys; ++t) {
+      row[t] = t < visible ? std::exp(row[t] - max_score) : 0.f;
+      total += row[t];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < visible; ++i) row[i] *= inv;
+  }
+
+  void accumulate_values() {
+    const int64_t D = shape.head_dim;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 256) {
+      const int64_t chunks = D / 16;
+      const int64_t rows_per_pass = std::max<int64_t>(1, 16 / chunks);
+      __m512 acc[16];
+      for (int64_t r0 = 0; r0 < rows; r0 += rows_per_pass) {
+        const int64_t nr = std::min(rows_per_pass, rows - r0);
+        for (int64_t i = 0; i < nr * chunks; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < num_keys; ++t) {
+          const kv_t* v = value_row(t);
+          for (int64_t j = 0; j < nr; ++j) {
+            const float p = scores[(r0 + j) * padded_keys + t];
+            if (p == 0.f) continue;
+            const __m512 pv = _mm512_set1_ps(p);
+            for (int64_t c = 0; c < chunks; ++c)
+              acc[j * chunks + c] = _mm512_fmadd_ps(pv, load16(v + c * 16), acc[j * chunks + c]);
+          }
+        }
+        for (int64_t j = 0; j < nr; ++j)
+          for (int64_t c = 0; c < chunks; ++c)
+            _mm512_storeu_ps(out + (r0 + j) * D + c * 16, acc[j * chunks + c]);
+      }
+      return;
+    }
+#endif
+    std::fill(out, out + rows * D, 0.f);
+    for (int64_t t = 0; t < num_keys; ++t) {
+      const kv_t* v = value_row(t);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float p = scores[r * padded_keys + t];
+        if (p == 0.f) continue;
+        for (int64_t d = 0; d < D; ++d) out[r * D + d] += p * load(v[d]);
+      }
+    }
+  }
+};
+
 template <typename kv_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start,
             const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t num_seqs = seq_lens.size(0);
-
+  const Shape shape{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2),
+                    k_cache.size(3), block_tables.size(1)};
   const float* q_ptr = q.data_ptr<float>();
-  const kv_t* k_ptr = k_cache.data_ptr<kv_t>();
-  const kv_t* v_ptr = v_cache.data_ptr<kv_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_start.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* out_ptr = out.data_ptr<float>();
+  const int64_t D = shape.head_dim, G = shape.group;
 
   std::vector<WorkItem> items;
-  for (int32_t s = 0; s < num_seqs; ++s) {
+  for (int32_t s = 0; s < seq_lens.size(0); ++s) {
     const int32_t q_len = starts[s + 1] - starts[s];
     for (int32_t b = 0; b < q_len; b += kQueryTile) {
       const int32_t e = std::min<int32_t>(q_len, b + kQueryTile);
-      for (int32_t h = 0; h < num_kv_heads; ++h) items.push_back({s, b, e, h});
+      for (int32_t h = 0; h < shape.num_kv_heads; ++h) items.push_back({s, b, e, h});
     }
   }
 
-  const int64_t token_stride = num_kv_heads * head_dim;  // one position inside a block
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc, key_row(head_dim), value_row(head_dim);
+    std::vector<float> queries, scores, result;
     for (int64_t w = begin; w < end; ++w) {
-      const WorkItem item = items[w];
-      const int32_t seq_len = lens[item.seq];
-      const int32_t q_len = starts[item.seq + 1] - starts[item.seq];
-      const int32_t first_pos = seq_len - q_len;  // position of query 0
-      const int64_t rows = static_cast<int64_t>(item.q_end - item.q_begin) * group;
-      const int64_t num_keys = first_pos + item.q_end;  // keys the last query can see
-      scores.assign(rows * num_keys, -std::numeric_limits<float>::infinity());
-      acc.assign(rows * head_dim, 0.f);
-      const int32_t* table = tables + static_cast<int64_t>(item.seq) * max_blocks;
-
-      auto q_row = [&](int64_t r) {  // row r = (query in tile, head in group)
-        const int64_t token = starts[item.seq] + item.q_begin + r / group;
-        const int64_t head = item.kv_head * group + r % group;
-        return q_ptr + (token * num_heads + head) * head_dim;
+      const WorkItem it = items[w];
+      const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
+      const int64_t first_pos = lens[it.seq] - q_len;  // position of query 0
+      const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
+      const int64_t num_keys = first_pos + it.q_end;
+      const int64_t padded = (num_keys + shape.block_size - 1) / shape.block_size * shape.block_size;
+      auto token_head = [&](int64_t r) {  // row r = (query in tile, head in group)
+        const int64_t token = starts[it.seq] + it.q_begin + r / G;
+        return token * shape.num_heads + it.kv_head * G + r % G;
       };
-      auto kv_offset = [&](int64_t t) {
-        const int64_t block = table[t / block_size];
-        return (block * block_size + t % block_size) * token_stride + item.kv_head * head_dim;
-      };
-
-      // scores = q . k * scale, causal
-      for (int64_t t = 0; t < num_keys; ++t) {
-        to_float(k_ptr + kv_offset(t), key_row.data(), head_dim);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = first_pos + item.q_begin + r / group;
-          if (t <= pos) scores[r * num_keys + t] = dot(q_row(r), key_row.data(), head_dim) * scale;
-        }
-      }
-      // softmax per row
+      queries.resize(rows * D);
+      scores.resize(rows * padded);
+      result.resize(rows * D);
       for (int64_t r = 0; r < rows; ++r) {
-        float* row = scores.data() + r * num_keys;
-        const int64_t visible = first_pos + item.q_begin + r / group + 1;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < visible; ++t) max_score = std::max(max_score, row[t]);
-        float total = 0.f;
-        for (int64_t t = 0; t < visible; ++t) {
-          row[t] = std::exp(row[t] - max_score);
-          total += row[t];
-        }
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-        for (int64_t t = visible; t < num_keys; ++t) row[t] = 0.f;
+        const float* src = q_ptr + token_head(r) * D;
+        for (int64_t d = 0; d < D; ++d) queries[r * D + d] = src[d] * static_cast<float>(scale);
       }
-      // acc = probs @ v
-      for (int64_t t = 0; t < num_keys; ++t) {
-        to_float(v_ptr + kv_offset(t), value_row.data(), head_dim);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float p = scores[r * num_keys + t];
-          if (p != 0.f) axpy(p, value_row.data(), acc.data() + r * head_dim, head_dim);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t token = starts[item.seq] + item.q_begin + r / group;
-        const int64_t head = item.kv_head * group + r % group;
-        std::memcpy(out_ptr + (token * num_heads + head) * head_dim, acc.data() + r * head_dim,
-                    head_dim * sizeof(float));
-      }
+      Item<kv_t> item{shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(),
+                      tables + static_cast<int64_t>(it.seq) * shape.max_blocks, it.kv_head,
+                      rows, num_keys, padded, queries.data(), scores.data(), result.data()};
+      item.compute_scores();
+      for (int64_t r = 0; r < rows; ++r) item.softmax_row(r, first_pos + it.q_begin + r / G + 1);
+      item.accumulate_values();
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(out_ptr + token_head(r) * D, result.data() + r * D, D * sizeof(float));
     }
   });
 }
@@ -159,10 +270,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [T, H, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "caches must be contiguous: K [blocks, KVH, D, bs], V [blocks, bs, KVH, D]");
+  TORCH_CHECK(k_cache.size(1) == v_cache.size(2) && k_cache.size(2) == v_cache.size(3) &&
+                  k_cache.size(3) == v_cache.size(1),
+              "K and V cache shapes do not match");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches differ in dtype");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "q and cache head_dim differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt,
               "block_tables, query_start and seq_lens must be int32");
