@@ -47,7 +47,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError for one that could never run."""
         self.check_admissible(request)
-        request.max_model_len = min(request.max_model_len, self.config.max_model_len)
+        # Without max_tokens a request generates until the context is full; a cache smaller
+        # than max_model_len makes that the cache's capacity (the last sampled token
+        # needs no slot).
+        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size + 1
+        request.max_model_len = min(request.max_model_len, self.config.max_model_len, capacity)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -64,7 +68,9 @@ class Scheduler:
                 f"max_model_len={max_len}"
             )
         limit = request.sampling_params.max_tokens
-        longest = min(max_len, request.num_prompt_tokens + (limit if limit else max_len))
+        # max_tokens=None is capped at the cache's capacity in add_request; only the prompt
+        # (plus one token) must fit then.
+        longest = min(max_len, request.num_prompt_tokens + (limit if limit else 1))
         # The final sampled token needs no KV slot of its own.
         needed = self.kv_cache.blocks_needed(max(longest - 1, request.num_prompt_tokens))
         if needed > self.kv_cache.num_blocks:

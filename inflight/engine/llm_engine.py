@@ -141,7 +141,8 @@ class LLMEngine:
         now = time.monotonic()
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-            eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or now,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=now if arrival_time is None else arrival_time,
             priority=priority, max_model_len=self.max_model_len,
         )
         self.scheduler.add_request(request)
@@ -189,8 +190,11 @@ class LLMEngine:
         finished = update.finished
         if state.detokenizer is not None and (state.stream or state.request.sampling_params.stop):
             stop = state.detokenizer.add_tokens(update.new_token_ids)
-            if stop is not None and not finished:
-                self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
+            if stop is not None:
+                # A stop string wins even when the same token also hit EOS or the length limit.
+                if not finished:
+                    self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
+                state.request.status = RequestStatus.FINISHED_STOPPED
                 state.request.stop_reason = stop
                 finished = True
         if finished:

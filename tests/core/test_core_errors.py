@@ -29,9 +29,6 @@ def test_bad_requests_are_rejected_and_others_keep_running() -> None:
     with pytest.raises(ValueError, match=r"KV blocks.*whole cache has 4"):
         # 6 + 20 - 1 = 25 tokens need 7 blocks of 4; the cache has 4.
         scheduler.add_request(Spec("huge", PROMPT, max_tokens=20).make())
-    with pytest.raises(ValueError, match=r"KV blocks"):
-        # max_tokens=None runs to max_model_len: 31 cached tokens, 8 blocks.
-        scheduler.add_request(Spec("unbounded", PROMPT, max_tokens=None).make())
     with pytest.raises(ValueError, match="'a' is already in use"):
         scheduler.add_request(Spec("a", PROMPT[:2], max_tokens=2).make())
 
@@ -41,6 +38,19 @@ def test_bad_requests_are_rejected_and_others_keep_running() -> None:
     scheduler.check_invariants()
     result = drive(scheduler, arrivals={1: [good[1].make()]})
     assert_matches_reference(result, good)
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_unbounded_request_on_a_small_cache_runs_until_the_cache_is_full() -> None:
+    # max_tokens=None would run to max_model_len=32, but 4 blocks of 4 hold 16 tokens:
+    # the request is accepted and ends with "length" once the cache is full (16 cached
+    # tokens plus the final sampled one: 17 in all, 11 of them generated).
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
+    request = Spec("unbounded", PROMPT, max_tokens=None).make()
+    scheduler.add_request(request)
+    drive(scheduler)
+    assert request.num_output_tokens == 17 - len(PROMPT)
+    assert request.status.finish_reason == "length"
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
 
 
