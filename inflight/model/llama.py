@@ -17,10 +17,33 @@ from inflight.attention.torch_paged import paged_attention
 from inflight.model.arch import LlamaArchConfig
 
 
+class Linear(nn.Module):
+    """``nn.Linear`` without random initialisation: weights always come from a checkpoint."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,10 +118,10 @@ class Attention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -118,8 +141,8 @@ class MLP(nn.Module):
     def __init__(self, arch: LlamaArchConfig) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -146,11 +169,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch, max_positions or arch.max_position_embeddings)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -171,8 +194,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
+    def load_hf_weights(
+        self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Take Hugging Face-named tensors as the parameters (converted to ``dtype`` on
+        ``device``), fusing q/k/v and gate/up on the way."""
         params = dict(self.named_parameters())
         used: set[str] = set()
 
@@ -189,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
                     f"shape mismatch for {param_name}: model {tuple(param.shape)}, "
                     f"checkpoint {tuple(tensor.shape)}"
                 )
-            param.copy_(tensor)
+            param.data = tensor.to(device=device, dtype=dtype)
 
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))
@@ -210,6 +236,7 @@ class LlamaForCausalLM(nn.Module):
             put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
             put(dst + "post_attention_layernorm.weight",
                 take(src + "post_attention_layernorm.weight"))
+        self.tie_weights()
         ignored = {"lm_head.weight"} if self.arch.tie_word_embeddings else set()
         unused = sorted(set(weights) - used - ignored)
         unused = [n for n in unused if "rotary_emb" not in n]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from inflight.model.arch import LlamaArchConfig
 from inflight.model.llama import LlamaForCausalLM
@@ -30,12 +31,13 @@ def build_model(
     arch: LlamaArchConfig, weights: dict[str, torch.Tensor], device: torch.device,
     dtype: torch.dtype, max_positions: int,
 ) -> LlamaForCausalLM:
-    """Construct without random init (meta device), then copy the weights in."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions=max_positions)
-    model.to_empty(device=device)
+    """Construct (no random init: parameters start empty) and take the weights in."""
+    model = LlamaForCausalLM(arch, max_positions=max_positions)
+    model.load_hf_weights(weights, dtype, device)
+    for module in model.modules():  # the RMSNorm weights were created as float32 ones
+        for name, param in module.named_parameters(recurse=False):
+            if param.dtype != dtype or param.device != device:
+                setattr(module, name, nn.Parameter(param.to(device, dtype), requires_grad=False))
     model.tie_weights()
-    model.load_hf_weights(weights)
-    model.to(dtype)
-    model.rotary.build(device)  # after .to(dtype): RoPE tables stay float32
+    model.rotary.build(device)  # RoPE tables stay float32
     return model.eval()
