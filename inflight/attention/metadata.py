@@ -32,7 +32,11 @@ class PaddedGroup:
     token_index: torch.Tensor  # [S, max_q] int64
     valid: torch.Tensor  # [S, max_q] bool: real (not padding) query tokens
     block_tables: torch.Tensor  # [S, max_blocks] int64
-    mask: torch.Tensor  # [S, 1, max_q, max_blocks * block_size] bool
+    mask: torch.Tensor | None  # [S, 1, max_q, max_blocks * block_size] bool
+    # Every sequence starts at position 0 (a fresh prompt chunk): its keys are exactly this
+    # step's tokens, so attention needs no gather and is plain causal (right padding is
+    # only ever seen by padded queries, which are discarded).
+    fresh: bool = False
 
 
 @dataclass(frozen=True, slots=True)

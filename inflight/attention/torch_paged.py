@@ -45,7 +45,7 @@ def paged_attention(
         if isinstance(group, VarlenGroup):
             _attend_varlen(q, k_cache, v_cache, group, scale, out)
         elif isinstance(group, PaddedGroup):
-            _attend_padded(q, k_cache, v_cache, group, scale, out)
+            _attend_padded(q, k, v, k_cache, v_cache, group, scale, out)
     return out
 
 
@@ -65,21 +65,24 @@ def _attend_varlen(
 
 
 def _attend_padded(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    group: PaddedGroup, scale: float, out: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, group: PaddedGroup, scale: float, out: torch.Tensor,
 ) -> None:
-    num_seqs, max_blocks = group.block_tables.shape
-    block_size = v_cache.shape[1]
     # [S, max_q, H, D] -> [S, H, max_q, D]
     q_padded = q[group.token_index].transpose(1, 2)
-    # [S, max_blocks, bs, KVH, D] -> [S, KVH, max_kv, D]
-    values = v_cache[group.block_tables].reshape(
-        num_seqs, max_blocks * block_size, *v_cache.shape[2:]
-    )
-    keys = key_token_view(k_cache)[group.block_tables].reshape(values.shape)
+    if group.fresh:
+        keys, values = k[group.token_index], v[group.token_index]  # [S, max_q, KVH, D]
+    else:
+        num_seqs, max_blocks = group.block_tables.shape
+        block_size = v_cache.shape[1]
+        # [S, max_blocks, bs, KVH, D] -> [S, max_kv, KVH, D]
+        values = v_cache[group.block_tables].reshape(
+            num_seqs, max_blocks * block_size, *v_cache.shape[2:]
+        )
+        keys = key_token_view(k_cache)[group.block_tables].reshape(values.shape)
     attn = F.scaled_dot_product_attention(
         q_padded, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-        attn_mask=group.mask, scale=scale, enable_gqa=True,
+        attn_mask=group.mask, is_causal=group.fresh, scale=scale, enable_gqa=True,
     )
     flat_index = group.token_index[group.valid]
     out[flat_index] = attn.transpose(1, 2)[group.valid]

@@ -21,6 +21,7 @@ from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 from inflight.core.request import Request, RequestStatus
 from inflight.core.scheduler import Scheduler
 from inflight.engine.detokenizer import IncrementalDetokenizer
+from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import ScheduledEntry, StepRecord, StepTrace
 from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inflight.sampling_params import SamplingParams
@@ -79,7 +80,10 @@ class LLMEngine:
         )
         model = build_model(arch, checkpoint.weights, self.device, self.dtype, max_model_len)
         del checkpoint
-        self.runner = ModelRunner(model, num_blocks, block_size, self.device, self.dtype)
+        self.timings = StepTimings()
+        self.runner = ModelRunner(
+            model, num_blocks, block_size, self.device, self.dtype, self.timings
+        )
         self.kv_cache = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
         self.step_trace = StepTrace(enabled=config.record_trace)
@@ -171,14 +175,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of finished requests (and streaming ones)."""
         started = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
+        with self.timings.measure("schedule_s"):
+            scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
         runner_output = self.runner.execute_model(scheduler_output)
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        with self.timings.measure("update_s"):
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
-        outputs = [out for u in updates if (out := self._process_update(u, now)) is not None]
-        self._record_step(scheduler_output, updates, started, now)
+        with self.timings.measure("outputs_s"):
+            outputs = [o for u in updates if (o := self._process_update(u, now)) is not None]
+            self._record_step(scheduler_output, updates, started, now)
+        self.timings.num_steps += 1
         return outputs
 
     def _process_update(self, update: RequestUpdate, now: float) -> RequestOutput | None:

@@ -47,11 +47,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as transformers does, then cast back.
-        dtype = x.dtype
+        # Normalise in float32 as transformers does, then cast to the weights' dtype (the
+        # residual stream may be float32 while the matmuls run in bfloat16).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(self.weight.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -85,9 +85,14 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        # Rotate in float32 (the tables' dtype) and round once at the end.
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        q32, k32 = q.float(), k.float()
+        return (
+            (q32 * cos + _rotate_half(q32) * sin).to(q.dtype),
+            (k32 * cos + _rotate_half(k32) * sin).to(k.dtype),
+        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -184,8 +189,13 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] for a flat batch of T tokens."""
-        x = self.embed_tokens(input_ids)
+        """Hidden states [T, hidden] for a flat batch of T tokens.
+
+        The residual stream is kept in float32 whatever the weights' dtype: with bfloat16
+        weights only the matmuls and attention round, which keeps greedy outputs closer to
+        float32's at almost no cost.
+        """
+        x = self.embed_tokens(input_ids).float()
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, self.rotary, kv_cache, metadata)
         return self.norm(x)

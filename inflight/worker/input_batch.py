@@ -126,11 +126,14 @@ def _padded_group(
     valid = offsets[None, :] < q_lens[:, None]  # [S, max_q]
     token_index = np.where(valid, query_start[chosen][:, None] + offsets[None, :], 0)
     q_positions = starts[chosen][:, None] + offsets[None, :]  # [S, max_q]
-    key_positions = np.arange(max_kv)
-    # causal over cached prefix + chunk; padded query rows may see key 0 (avoids NaN)
-    mask = key_positions[None, None, :] <= q_positions[:, :, None]
-    mask[~valid] = False
-    mask[..., 0] = True
+    fresh = bool((starts[chosen] == 0).all())
+    mask = None
+    if not fresh:
+        key_positions = np.arange(max_kv)
+        # causal over cached prefix + chunk; padded query rows may see key 0 (avoids NaN)
+        mask = key_positions[None, None, :] <= q_positions[:, :, None]
+        mask[~valid] = False
+        mask[..., 0] = True
 
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
@@ -139,5 +142,6 @@ def _padded_group(
         token_index=to_device(token_index),
         valid=to_device(valid),
         block_tables=to_device(block_tables[chosen, :num_blocks]),
-        mask=to_device(mask[:, None, :, :]),
+        mask=None if mask is None else to_device(mask[:, None, :, :]),
+        fresh=fresh,
     )
