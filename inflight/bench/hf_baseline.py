@@ -110,6 +110,7 @@ def run_transformers(
             "dtype": dtype,
             "batch_size": batch_size,
             "padding": "left",
+            "threads": torch.get_num_threads(),
         },
     )
     return RunResult(report, records, folded)

@@ -41,7 +41,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "--workload",
         default=None,
         help="seed8, mixed, online, or a JSONL file (id, prompt_token_ids, "
-        "max_tokens, arrival_s); arrival times are ignored offline",
+        "max_tokens, arrival_s); arrival times are ignored offline; seed8 "
+        "defaults to --max-num-seqs 8",
     )
     source.add_argument(
         "--rate",
