@@ -13,8 +13,9 @@ each run's peak RSS is its own and no run inherits another's heap.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any, TypeVar
@@ -43,6 +44,8 @@ class RunResult:
     report: BenchReport
     records: list[StepRecord]
     folded_token_ids: bool = False
+    # torch profiler's per-op table of the timed run, with --profile
+    profile_table: str | None = None
 
 
 def summarise(
@@ -87,8 +90,13 @@ def run_inflight(
     warmup: bool = True,
     use_tqdm: bool = False,
     threads: int | None = None,
+    profile: bool = False,
 ) -> RunResult:
-    """Run ``workload`` through ``LLM.generate`` once, timed, with the step trace on."""
+    """Run ``workload`` through ``LLM.generate`` once, timed, with the step trace on.
+
+    With ``profile`` the timed run is also recorded by torch's profiler (which slows it a
+    little) and its per-op table is returned.
+    """
     set_threads(threads)
     from inflight import LLM, SamplingParams
 
@@ -108,9 +116,14 @@ def run_inflight(
         SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         for r in workload.requests
     ]
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
-    wall = time.perf_counter() - started
+    engine.timings.reset()
+    with _maybe_profile(profile) as profiler:
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+        wall = time.perf_counter() - started
+    profile_table = None
+    if profiler is not None:
+        profile_table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
     latencies = []
     for request, output in zip(workload.requests, outputs, strict=True):
@@ -154,9 +167,21 @@ def run_inflight(
             "num_kv_blocks": engine.kv_cache.num_blocks,
             "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
             "threads": _torch_threads(),
+            "step_time_ms": engine.timings.per_step_ms(),
         },
     )
-    return RunResult(report, records, folded)
+    return RunResult(report, records, folded, profile_table)
+
+
+@contextmanager
+def _maybe_profile(enabled: bool) -> Iterator[Any]:
+    if not enabled:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        yield profiler
 
 
 def _check_fits(workload: Workload, max_model_len: int) -> None:

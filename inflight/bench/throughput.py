@@ -104,6 +104,12 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         help="run in this process (faster start; peak RSS is then shared)",
     )
     runs.add_argument("--progress", action="store_true", help="show a progress bar")
+    runs.add_argument(
+        "--profile",
+        action="store_true",
+        help="record inflight runs with torch's profiler; writes the per-op table next to "
+        "the JSON (the step-phase breakdown is always reported)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument(
         "--output-json",
@@ -190,7 +196,12 @@ def execute(
     else:
         fn = run_inflight
         call_args = (workload, args.model, {**options, "batching": planned.batching})
-        kwargs = {"warmup": args.warmup, "use_tqdm": args.progress, "threads": args.threads}
+        kwargs = {
+            "warmup": args.warmup,
+            "use_tqdm": args.progress,
+            "threads": args.threads,
+            "profile": args.profile,
+        }
     return run_isolated(fn, *call_args, **kwargs) if args.isolate else fn(*call_args, **kwargs)
 
 
@@ -219,6 +230,14 @@ def run(args: argparse.Namespace) -> int:
         StepTrace(enabled=True, records=result.records).write_jsonl(trace_path)
         result.report.trace_path = str(trace_path)
         results.append(result)
+        step_ms = result.report.options.get("step_time_ms")
+        if step_ms:
+            print(_format_step_time(planned.batching, step_ms), file=sys.stderr)
+        if result.profile_table:
+            profile_path = path.parent / f"profile_{planned.engine}_{planned.batching}.txt"
+            profile_path.write_text(result.profile_table)
+            print(result.profile_table, file=sys.stderr)
+            print(f"profile: {profile_path}", file=sys.stderr)
 
     reports = [r.report for r in results]
     print(format_table(reports))
@@ -239,6 +258,16 @@ def run(args: argparse.Namespace) -> int:
         for picture in draw_all(traces, path.parent, reports):
             print(f"picture: {picture}")
     return 0
+
+
+def _format_step_time(batching: str, ms: dict[str, float]) -> str:
+    """Where an average step's time went, host-side phases vs the model."""
+    return (
+        f"{batching}: per step {ms['forward_s']:.1f} ms forward, {ms['sample_s']:.1f} ms "
+        f"sampling, {ms['host_overhead_s']:.1f} ms host overhead (schedule "
+        f"{ms['schedule_s']:.1f}, inputs {ms['prepare_inputs_s']:.1f}, update "
+        f"{ms['update_s']:.1f}, outputs {ms['outputs_s']:.1f})"
+    )
 
 
 def _command_line() -> str | None:

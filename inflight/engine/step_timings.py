@@ -32,6 +32,19 @@ class StepTimings:
         finally:
             setattr(self, phase, getattr(self, phase) + time.perf_counter() - started)
 
+    def reset(self) -> None:
+        """Start counting afresh (in place: the model runner shares this object)."""
+        for name, value in asdict(StepTimings()).items():
+            setattr(self, name, value)
+
+    def per_step_ms(self) -> dict[str, float]:
+        steps = max(self.num_steps, 1)
+        return {
+            name: 1000 * value / steps
+            for name, value in self.to_dict().items()
+            if name != "num_steps"
+        }
+
     @property
     def host_overhead_s(self) -> float:
         """Time outside the model's forward pass and sampling."""
