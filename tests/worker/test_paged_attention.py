@@ -15,7 +15,8 @@ from inflight.sampling_params import SamplingParams
 from inflight.worker.input_batch import build_model_inputs
 from inflight.worker.kv_cache import key_token_view
 
-HEADS, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 6, 2, 32, 64
+# head_dim 64 takes the vectorised value path; the tiny parity model (16) the generic one
+HEADS, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 6, 2, 64, 64
 
 
 def dense_reference(q_all, k_all, v_all, context_len, scale):

@@ -82,6 +82,40 @@ inline __m512 exp512(__m512 x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(live, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
+
+// Scores of NR query rows against the 16 keys of one block (keys stored [D][16]). NR is a
+// compile-time constant so the accumulators live in registers.
+template <int NR, typename kv_t>
+inline void score_block(const float* queries, int64_t D, const kv_t* kb, float* scores,
+                        int64_t row_stride) {
+  __m512 acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kd = load16(kb + d * 16);
+    for (int j = 0; j < NR; ++j)
+      acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(queries[j * D + d]), kd, acc[j]);
+  }
+  for (int j = 0; j < NR; ++j) _mm512_storeu_ps(scores + j * row_stride, acc[j]);
+}
+
+// out[NR][16 * CH] = probs[NR][:num_keys] @ V, V rows found through value_row(t).
+template <int NR, int CH, typename kv_t, typename RowFn>
+inline void weigh_values(const float* probs, int64_t row_stride, int64_t num_keys,
+                         RowFn value_row, float* out, int64_t D) {
+  __m512 acc[NR * CH];
+  for (int i = 0; i < NR * CH; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < num_keys; ++t) {
+    const kv_t* v = value_row(t);
+    __m512 vc[CH];
+    for (int c = 0; c < CH; ++c) vc[c] = load16(v + c * 16);
+    for (int j = 0; j < NR; ++j) {
+      const __m512 p = _mm512_set1_ps(probs[j * row_stride + t]);
+      for (int c = 0; c < CH; ++c) acc[j * CH + c] = _mm512_fmadd_ps(p, vc[c], acc[j * CH + c]);
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + j * D + c * 16, acc[j * CH + c]);
+}
 #endif
 
 // ---------------------------------------------------------------- one work item
@@ -113,20 +147,22 @@ struct Item {
     const int64_t D = shape.head_dim, bs = shape.block_size;
 #if defined(__AVX512F__)
     if (bs == 16) {
-      constexpr int64_t kRows = 8;
       for (int64_t b = 0; b * bs < num_keys; ++b) {
         const kv_t* kb = key_block(b);
-        for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-          const int64_t nr = std::min(kRows, rows - r0);
-          __m512 acc[kRows];
-          for (int64_t j = 0; j < kRows; ++j) acc[j] = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; ++d) {
-            const __m512 kd = load16(kb + d * bs);
-            for (int64_t j = 0; j < nr; ++j)
-              acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(queries[(r0 + j) * D + d]), kd, acc[j]);
-          }
-          for (int64_t j = 0; j < nr; ++j)
-            _mm512_storeu_ps(scores + (r0 + j) * padded_keys + b * bs, acc[j]);
+        int64_t r = 0;
+        for (; r + 8 <= rows; r += 8)
+          score_block<8>(queries + r * D, D, kb, scores + r * padded_keys + b * bs, padded_keys);
+        const float* q = queries + r * D;
+        float* out_scores = scores + r * padded_keys + b * bs;
+        switch (rows - r) {
+          case 1: score_block<1>(q, D, kb, out_scores, padded_keys); break;
+          case 2: score_block<2>(q, D, kb, out_scores, padded_keys); break;
+          case 3: score_block<3>(q, D, kb, out_scores, padded_keys); break;
+          case 4: score_block<4>(q, D, kb, out_scores, padded_keys); break;
+          case 5: score_block<5>(q, D, kb, out_scores, padded_keys); break;
+          case 6: score_block<6>(q, D, kb, out_scores, padded_keys); break;
+          case 7: score_block<7>(q, D, kb, out_scores, padded_keys); break;
+          default: break;
         }
       }
       return;
@@ -174,26 +210,26 @@ struct Item {
   void accumulate_values() {
     const int64_t D = shape.head_dim;
 #if defined(__AVX512F__)
-    if (D % 16 == 0 && D <= 256) {
-      const int64_t chunks = D / 16;
-      const int64_t rows_per_pass = std::max<int64_t>(1, 16 / chunks);
-      __m512 acc[16];
-      for (int64_t r0 = 0; r0 < rows; r0 += rows_per_pass) {
-        const int64_t nr = std::min(rows_per_pass, rows - r0);
-        for (int64_t i = 0; i < nr * chunks; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < num_keys; ++t) {
-          const kv_t* v = value_row(t);
-          for (int64_t j = 0; j < nr; ++j) {
-            const float p = scores[(r0 + j) * padded_keys + t];
-            if (p == 0.f) continue;
-            const __m512 pv = _mm512_set1_ps(p);
-            for (int64_t c = 0; c < chunks; ++c)
-              acc[j * chunks + c] = _mm512_fmadd_ps(pv, load16(v + c * 16), acc[j * chunks + c]);
+    if (D == 64 || D == 128) {
+      auto row_of = [this](int64_t t) { return value_row(t); };
+      // Rows per pass keep NR * CH accumulators (plus CH value vectors) in registers.
+      const int64_t per_pass = D == 64 ? 4 : 2;
+      for (int64_t r = 0; r < rows; r += per_pass) {
+        const int64_t nr = std::min(per_pass, rows - r);
+        const float* p = scores + r * padded_keys;
+        float* o = out + r * D;
+        if (D == 64) {
+          switch (nr) {
+            case 1: weigh_values<1, 4, kv_t>(p, padded_keys, num_keys, row_of, o, D); break;
+            case 2: weigh_values<2, 4, kv_t>(p, padded_keys, num_keys, row_of, o, D); break;
+            case 3: weigh_values<3, 4, kv_t>(p, padded_keys, num_keys, row_of, o, D); break;
+            default: weigh_values<4, 4, kv_t>(p, padded_keys, num_keys, row_of, o, D); break;
           }
+        } else if (nr == 1) {
+          weigh_values<1, 8, kv_t>(p, padded_keys, num_keys, row_of, o, D);
+        } else {
+          weigh_values<2, 8, kv_t>(p, padded_keys, num_keys, row_of, o, D);
         }
-        for (int64_t j = 0; j < nr; ++j)
-          for (int64_t c = 0; c < chunks; ++c)
-            _mm512_storeu_ps(out + (r0 + j) * D + c * 16, acc[j * chunks + c]);
       }
       return;
     }
