@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "static")
-DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+DEFAULT_KV_CACHE_MEMORY_BYTES = 2 << 30
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
