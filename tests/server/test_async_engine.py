@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from inflight import LLM, SamplingParams
-from inflight.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
+from inflight.engine.async_engine import AsyncLLMEngine
 from inflight.engine.llm_engine import LLMEngine
+from inflight.engine.request_stream import EngineDeadError, RequestDelta
 from inflight.metrics.stats import FinishedRequestStats
 
 

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 from fastapi import Request, Response
 from pydantic import BaseModel, ValidationError
 
-from inflight.engine.async_engine import (
-    AsyncLLMEngine,
+from inflight.engine.async_engine import AsyncLLMEngine
+from inflight.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
     RequestDelta,

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from inflight.engine.async_engine import EngineDeadError, RequestStream
+from inflight.engine.request_stream import EngineDeadError, RequestStream
 from inflight.entrypoints.openai.errors import bad_request
 from inflight.entrypoints.openai.params import (
     check_length,
