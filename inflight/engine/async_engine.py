@@ -33,10 +33,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from inflight.engine.llm_engine import LLMEngine, PromptInput
+from inflight.engine.loop_delivery import Outbox, deliver_on_loop
 from inflight.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
@@ -89,23 +90,6 @@ class _Live:
     sent_chars: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
-
-
-_Reply = tuple["asyncio.Future[None]", BaseException | None]
-_Delivery = tuple[RequestStream, RequestDelta | BaseException]
-
-
-@dataclass(slots=True)
-class _Outbox:
-    """What one iteration sends to the event loop, in order."""
-
-    items: list[_Reply | _Delivery] = field(default_factory=list)
-
-    def resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
-        self.items.append((future, error))
-
-    def deliver(self, stream: RequestStream, item: RequestDelta | BaseException) -> None:
-        self.items.append((stream, item))
 
 
 # ---------------------------------------------------------------------- the engine
@@ -272,7 +256,7 @@ class AsyncLLMEngine:
 
     def _loop_forever(self) -> None:
         while True:
-            outbox = _Outbox()
+            outbox = Outbox()
             idle = not self._engine.has_unfinished_requests()
             for command in self._next_commands(block=idle):
                 if isinstance(command, _Shutdown):
@@ -295,7 +279,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort, outbox: _Outbox) -> None:
+    def _apply(self, command: _Add | _Abort, outbox: Outbox) -> None:
         if isinstance(command, _Abort):
             self._abort_live(command.request_ids, outbox)
             return
@@ -323,7 +307,7 @@ class AsyncLLMEngine:
         )
         outbox.resolve(command.accepted, None)
 
-    def _step(self, outbox: _Outbox) -> None:
+    def _step(self, outbox: Outbox) -> None:
         try:
             outputs = self._engine.step()
         except Exception as error:
@@ -339,7 +323,7 @@ class AsyncLLMEngine:
         for output in outputs:
             self._on_output(output, now, outbox)
 
-    def _on_output(self, output: RequestOutput, now: float, outbox: _Outbox) -> None:
+    def _on_output(self, output: RequestOutput, now: float, outbox: Outbox) -> None:
         live = self._live.get(output.request_id)
         if live is None:
             return  # aborted between the step's start and now
@@ -372,7 +356,7 @@ class AsyncLLMEngine:
         else:
             outbox.deliver(live.stream, delta)
 
-    def _abort_live(self, request_ids: list[str] | None, outbox: _Outbox) -> None:
+    def _abort_live(self, request_ids: list[str] | None, outbox: Outbox) -> None:
         for request_id in list(self._live) if request_ids is None else request_ids:
             live = self._live.get(request_id)
             if live is None:
@@ -389,7 +373,7 @@ class AsyncLLMEngine:
             self._end(request_id, "abort", outbox, final)
 
     def _end(
-        self, request_id: str, reason: str, outbox: _Outbox, final: RequestDelta | BaseException
+        self, request_id: str, reason: str, outbox: Outbox, final: RequestDelta | BaseException
     ) -> None:
         """Forget a request: free its blocks (no-op if the engine ended it), report, notify."""
         live = self._live.pop(request_id)
@@ -406,11 +390,11 @@ class AsyncLLMEngine:
             except Exception:  # metrics must never take the engine down
                 logger.exception("stat observer %r failed", observer)
 
-    def _send(self, outbox: _Outbox) -> None:
+    def _send(self, outbox: Outbox) -> None:
         if not outbox.items or self._loop is None:
             return
         try:
-            self._loop.call_soon_threadsafe(_deliver_on_loop, outbox.items)
+            self._loop.call_soon_threadsafe(deliver_on_loop, outbox.items)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
@@ -435,7 +419,7 @@ class AsyncLLMEngine:
             self._dead = error
             self._closed = True
         failure = EngineDeadError(f"the engine has stopped: {error!r}")
-        outbox = _Outbox()
+        outbox = Outbox()
         for live in self._live.values():
             outbox.deliver(live.stream, failure)
         self._live.clear()
@@ -447,20 +431,6 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 outbox.resolve(command.accepted, failure)
         self._send(outbox)
-
-
-def _deliver_on_loop(items: list[_Reply | _Delivery]) -> None:
-    """Runs on the event loop: resolve acceptance futures and feed streams, in order."""
-    for target, item in items:
-        if isinstance(target, RequestStream):
-            assert item is not None
-            target._put(item)
-        elif target.done():
-            continue  # the caller was cancelled meanwhile
-        elif isinstance(item, BaseException):
-            target.set_exception(item)
-        else:
-            target.set_result(None)
 
 
 def _finished_stats(live: _Live, reason: str, now: float) -> FinishedRequestStats:
