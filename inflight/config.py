@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "static")
+QUANTIZATION_MODES = (None, "gguf", "none")
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -93,11 +94,18 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # None: a GGUF file's quantised weights serve small batches when the CPU kernel can
+    # (see worker/device.py); "gguf": require that; "none": dense weights only.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}",
+        )
+        _require(
+            self.quantization in QUANTIZATION_MODES,
+            f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}",
         )
         _require(
             self.max_model_len is None or self.max_model_len >= 2,
@@ -130,6 +138,7 @@ def make_engine_config(
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
     enable_prefix_caching: bool = False,
     record_trace: bool = False,
+    quantization: str | None = None,
 ) -> EngineConfig:
     """vLLM-style keyword options -> a validated :class:`EngineConfig`.
 
@@ -143,7 +152,7 @@ def make_engine_config(
     budget = max_num_batched_tokens or default_budget
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
-                          max_model_len=max_model_len),
+                          max_model_len=max_model_len, quantization=quantization),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                           kv_cache_memory_bytes=kv_cache_memory_bytes,
                           enable_prefix_caching=enable_prefix_caching),

@@ -20,4 +20,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 # Build (or find cached) the C++ paged-attention kernel now rather than at first use.
-.venv/bin/python -c "from inflight.attention import cpu_kernels; cpu_kernels.available()"
+.venv/bin/python -c "from inflight.kernels import cpu; cpu.available()"

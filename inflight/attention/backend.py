@@ -23,7 +23,7 @@ def choose_attention_backend(device: torch.device) -> str:
         raise ValueError(f"INFLIGHT_ATTENTION_BACKEND must be one of {BACKENDS}, got {requested!r}")
     if device.type != "cpu" or requested == "torch":
         return "torch"
-    from inflight.attention import cpu_kernels
+    from inflight.kernels import cpu as cpu_kernels
 
     if not cpu_kernels.available():
         return "torch"

@@ -6,7 +6,8 @@ KV cache layout, one tensor pair per layer (see ``worker/kv_cache.py``)::
     v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot = block * block_size + offset
 
-Each step first writes the new tokens' K/V at their slots. Then each group of sequences
+Each step first writes the new tokens' K/V at their slots (:func:`write_kv`, or the fused
+C++ ``rope_write_kv`` on the CPU). Then each group of sequences
 is served by one call: a :class:`VarlenGroup` by the C++ kernel that walks block tables in
 place; a :class:`PaddedGroup` by gathering every sequence's context through its block
 table and running padded scaled-dot-product attention with a causal mask.
@@ -17,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inflight.attention import cpu_kernels
 from inflight.attention.metadata import AttentionMetadata, PaddedGroup, VarlenGroup
+from inflight.kernels import cpu as cpu_kernels
 from inflight.worker.kv_cache import key_token_view
 
 
@@ -38,8 +39,11 @@ def paged_attention(
     k_cache: torch.Tensor, v_cache: torch.Tensor,
     metadata: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D]."""
-    write_kv(k_cache, v_cache, k, v, metadata)
+    """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens, already written to the
+    caches (:func:`write_kv`). Returns [T, H, D]."""
+    only = metadata.decode if metadata.prefill is None else None
+    if isinstance(only, VarlenGroup) and only.token_index is None:
+        return _varlen(q, k_cache, v_cache, only, scale)  # the common decode-only step
     out = torch.empty_like(q)
     for group in (metadata.decode, metadata.prefill):
         if isinstance(group, VarlenGroup):
@@ -53,15 +57,22 @@ def _attend_varlen(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group: VarlenGroup, scale: float, out: torch.Tensor,
 ) -> None:
-    q_group = q if group.token_index is None else q[group.token_index]
-    result = cpu_kernels.paged_attention(
-        q_group.float().contiguous(), k_cache, v_cache, group.block_tables,
-        group.query_start, group.seq_lens, scale,
-    ).to(q.dtype)
+    result = _varlen(q, k_cache, v_cache, group, scale)
     if group.token_index is None:
         out.copy_(result)
     else:
         out[group.token_index] = result
+
+
+def _varlen(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: VarlenGroup,
+    scale: float,
+) -> torch.Tensor:
+    q_group = q if group.token_index is None else q[group.token_index]
+    return cpu_kernels.paged_attention(
+        q_group.float().contiguous(), k_cache, v_cache, group.block_tables,
+        group.query_start, group.seq_lens, scale,
+    ).to(q.dtype)
 
 
 def _attend_padded(

@@ -46,7 +46,12 @@ class LLMEngine:
         import torch
 
         from inflight.model.loader import default_model_path, load_checkpoint
-        from inflight.worker.device import build_model, pick_device, pick_dtype
+        from inflight.worker.device import (
+            block_matmul_rows,
+            build_model,
+            pick_device,
+            pick_dtype,
+        )
         from inflight.worker.kv_cache import bytes_per_block
         from inflight.worker.model_runner import ModelRunner
 
@@ -78,7 +83,18 @@ class LLMEngine:
             config.cache.kv_cache_memory_bytes // bytes_per_block(arch, block_size, self.dtype),
             max_model_len,
         )
-        model = build_model(arch, checkpoint.weights, self.device, self.dtype, max_model_len)
+        if config.model.quantization == "gguf" and not checkpoint.quantized:
+            raise ValueError(
+                f"quantization='gguf' needs a GGUF file with Q4_0/Q4_1/Q8_0 weights; "
+                f"{path} has none"
+            )
+        block_rows = block_matmul_rows(
+            config.model.quantization, checkpoint.quantized, self.device, self.dtype
+        )
+        model = build_model(
+            arch, checkpoint.weights, self.device, self.dtype, max_model_len,
+            quantized=checkpoint.quantized, block_max_rows=block_rows,
+        )
         del checkpoint
         self.timings = StepTimings()
         self.runner = ModelRunner(

@@ -23,6 +23,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument(
+        "--quantization", default=None, choices=["gguf", "none"],
+        help="gguf: small batches read a GGUF file's quantised weights (the default when "
+        "the CPU kernel is available); none: dense weights only",
+    )
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
@@ -41,6 +46,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The LLM/LLMEngine keyword options named by ``add_engine_args``."""
     options: dict[str, Any] = dict(
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        quantization=args.quantization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         enable_chunked_prefill=args.enable_chunked_prefill,

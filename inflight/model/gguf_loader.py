@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 from inflight.model.arch import LlamaArchConfig
 from inflight.model.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 from inflight.model.gguf_tokenizer import build_gguf_tokenizer
-from inflight.model.loader import LoadedCheckpoint
+from inflight.model.loader import LoadedCheckpoint, QuantizedWeight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -60,8 +60,25 @@ def load_gguf(path: str) -> LoadedCheckpoint:
                 )
                 tensors[i] = _unpermute_stored_rows(tensors[i], heads)
     weights = dict(zip(names, dequantize_all(tensors), strict=True))
+    quantized = {
+        name: QuantizedWeight(int(t.ggml_type), _row_blocks(t))
+        for name, t in zip(names, tensors, strict=True)
+        if t.ggml_type in BLOCK_MATMUL_TYPES and len(t.shape) == 2
+    }
     tokenizer = build_gguf_tokenizer(file.metadata, path)
-    return LoadedCheckpoint(arch=arch, weights=weights, tokenizer=tokenizer, source=path)
+    return LoadedCheckpoint(
+        arch=arch, weights=weights, tokenizer=tokenizer, source=path, quantized=quantized
+    )
+
+
+# Types the block matmul kernel reads directly (32 weights per block, one f16 scale and for
+# Q4_1 one f16 minimum); other types are used only through their float32 decoding.
+BLOCK_MATMUL_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
+
+
+def _row_blocks(tensor: GGUFTensor) -> torch.Tensor:
+    """The tensor's stored blocks as [rows, row_bytes] uint8, copied out of the file map."""
+    return torch.from_numpy(tensor.data.reshape(tensor.shape[0], -1).copy())
 
 
 def gguf_arch_config(file: GGUFFile) -> LlamaArchConfig:

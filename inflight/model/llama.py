@@ -7,18 +7,26 @@ K/V through the paged cache. Q/K/V and gate/up projections are fused into single
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from inflight.attention.metadata import AttentionMetadata
-from inflight.attention.torch_paged import paged_attention
+from inflight.attention.torch_paged import paged_attention, write_kv
+from inflight.kernels import cpu as cpu_kernels
 from inflight.model.arch import LlamaArchConfig
+from inflight.model.loader import QuantizedWeight
 
 
 class Linear(nn.Module):
-    """``nn.Linear`` without random initialisation: weights always come from a checkpoint."""
+    """``nn.Linear`` without random initialisation: weights always come from a checkpoint.
+
+    Optionally also holds the weight as GGUF blocks (:meth:`use_blocks`): batches of up to
+    ``block_max_rows`` rows then read those (4-8 bits per weight) instead of the dense
+    weight, which is what bounds a step with one or a few sequences.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -26,8 +34,26 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         )
+        self.blocks: QuantizedWeight | None = None
+        self.block_max_rows = 0
+
+    def use_blocks(self, blocks: QuantizedWeight | None, max_rows: int) -> None:
+        if blocks is not None and tuple(blocks.blocks.shape[:1]) != self.weight.shape[:1]:
+            raise ValueError(
+                f"quantised weight has {blocks.blocks.shape[0]} rows, expected "
+                f"{self.weight.shape[0]}"
+            )
+        self.blocks = blocks
+        self.block_max_rows = max_rows if blocks is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None and x.shape[0] <= self.block_max_rows:
+            y = cpu_kernels.gguf_matmul(
+                x.float().contiguous(), self.blocks.blocks, self.blocks.ggml_type
+            )
+            if self.bias is not None:
+                y += self.bias
+            return y.to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -45,13 +71,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.fused = False  # one C++ call instead of eight ops (see use_cpu_kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as transformers does, then cast to the weights' dtype (the
-        # residual stream may be float32 while the matmuls run in bfloat16).
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.fused:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, dtype or self.weight.dtype)
+        # Normalise in float32 as transformers does, then cast to the matmuls' input dtype
+        # (the residual stream may be float32 while the matmuls run in bfloat16).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(self.weight.dtype)
+        return self.weight * x32.to(dtype or self.weight.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -128,16 +157,25 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.fused = False  # RoPE and the K/V write in one C++ call
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            q, k = cpu_kernels.rope_write_kv(
+                qkv, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
+                metadata.slot_mapping, self.num_heads, self.num_kv_heads,
+            )
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            q, k = rotary(positions, q, k)
+            write_kv(kv_cache[0], kv_cache[1], k, v, metadata)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -148,9 +186,13 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.fused = False  # silu(gate) * up in one C++ call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -165,9 +207,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+        act_dtype: torch.dtype,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x, act_dtype)
+        x = x + self.self_attn(h, positions, rotary, kv_cache, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x, act_dtype))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -179,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch, max_positions or arch.max_position_embeddings)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.block_max_rows = 0  # see use_quantized_weights
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -195,13 +240,54 @@ class LlamaForCausalLM(nn.Module):
         weights only the matmuls and attention round, which keeps greedy outputs closer to
         float32's at almost no cost.
         """
+        act_dtype = self.activation_dtype(input_ids.shape[0])
         x = self.embed_tokens(input_ids).float()
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, metadata)
-        return self.norm(x)
+            x = layer(x, positions, self.rotary, kv_cache, metadata, act_dtype)
+        return self.norm(x, act_dtype)
+
+    def activation_dtype(self, num_tokens: int) -> torch.dtype:
+        """The matmuls' input dtype for a step of ``num_tokens``: the weights' dtype, except
+        float32 when the step is small enough for the GGUF block kernel (which computes in
+        float32 anyway, so rounding its inputs and outputs to bfloat16 would only lose)."""
+        if num_tokens <= self.block_max_rows:
+            return torch.float32
+        return self.embed_tokens.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def use_cpu_kernels(self) -> None:
+        """Run RMSNorm, RoPE + K/V write and SiLU-mul as fused C++ ops (CPU only)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.fused = True
+
+    def use_quantized_weights(
+        self, quantized: Mapping[str, QuantizedWeight], max_rows: int
+    ) -> None:
+        """Let batches of up to ``max_rows`` tokens read the GGUF blocks of each linear layer
+        (fused like the dense weights; a fused layer whose parts differ in type stays dense)."""
+        self.block_max_rows = max_rows
+        embed = "model.embed_tokens.weight"
+        head = embed if self.arch.tie_word_embeddings else "lm_head.weight"
+        self.lm_head.use_blocks(_fused_blocks(quantized, [head]), max_rows)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.self_attn.qkv_proj.use_blocks(
+                _fused_blocks(quantized, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                max_rows,
+            )
+            layer.self_attn.o_proj.use_blocks(
+                _fused_blocks(quantized, [p + "self_attn.o_proj.weight"]), max_rows
+            )
+            layer.mlp.gate_up_proj.use_blocks(
+                _fused_blocks(quantized, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                max_rows,
+            )
+            layer.mlp.down_proj.use_blocks(
+                _fused_blocks(quantized, [p + "mlp.down_proj.weight"]), max_rows
+            )
 
     @torch.no_grad()
     def load_hf_weights(
@@ -252,3 +338,15 @@ class LlamaForCausalLM(nn.Module):
         unused = [n for n in unused if "rotary_emb" not in n]
         if unused:
             raise ValueError(f"checkpoint has tensors this model does not use: {unused[:5]}")
+
+
+def _fused_blocks(
+    quantized: Mapping[str, QuantizedWeight], names: list[str]
+) -> QuantizedWeight | None:
+    """The named weights' blocks stacked by rows, or None unless all exist with one type."""
+    parts = [quantized.get(name) for name in names]
+    present = [part for part in parts if part is not None]
+    if len(present) != len(parts) or len({part.ggml_type for part in present}) != 1:
+        return None
+    blocks = present[0].blocks if len(present) == 1 else torch.cat([p.blocks for p in present])
+    return QuantizedWeight(present[0].ggml_type, blocks)

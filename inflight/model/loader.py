@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,20 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]
     tokenizer: transformers.PreTrainedTokenizerBase
     source: str  # the path loaded, for messages
+    # GGUF files only: linear weights also kept in their quantised block format, by HF name.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [out, in] weight as GGUF blocks: row n of ``blocks`` holds output feature n.
+
+    ``weights`` still has the same tensor decoded to float32; the blocks let small batches
+    read 4-8 bits per weight instead (see ``kernels/csrc/gguf_matmul.cpp``).
+    """
+
+    ggml_type: int  # GGMLQuantizationType value (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)
+    blocks: torch.Tensor  # [out_features, row_bytes] uint8
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:

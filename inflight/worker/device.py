@@ -7,6 +7,7 @@ from torch import nn
 
 from inflight.model.arch import LlamaArchConfig
 from inflight.model.llama import LlamaForCausalLM
+from inflight.model.loader import QuantizedWeight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,13 +28,47 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+# Largest batch (tokens in a step) that reads GGUF blocks rather than dense weights, by the
+# dense weights' dtype: past it, dense matmuls (AMX for bfloat16) are faster. Measured with
+# `python -m inflight.bench.block_matmul` (see README, "Speed on the CPU").
+BLOCK_MATMUL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 8, torch.float16: 32}
+
+
+def block_matmul_rows(
+    quantization: str | None, quantized: dict[str, QuantizedWeight], device: torch.device,
+    dtype: torch.dtype,
+) -> int:
+    """How many rows a batch may have and still use the GGUF block kernel (0: never)."""
+    if quantization == "none" or not quantized:
+        return 0
+    from inflight.kernels import cpu
+
+    usable = device.type == "cpu" and cpu.gguf_matmul_available()
+    if not usable:
+        if quantization == "gguf":
+            raise ValueError(
+                "quantization='gguf' needs the C++ CPU kernel with AVX-512 on a CPU device; "
+                "use quantization='none' here"
+            )
+        return 0
+    return BLOCK_MATMUL_MAX_ROWS[dtype]
+
+
 def build_model(
     arch: LlamaArchConfig, weights: dict[str, torch.Tensor], device: torch.device,
     dtype: torch.dtype, max_positions: int,
+    quantized: dict[str, QuantizedWeight] | None = None, block_max_rows: int = 0,
 ) -> LlamaForCausalLM:
     """Construct (no random init: parameters start empty) and take the weights in."""
     model = LlamaForCausalLM(arch, max_positions=max_positions)
     model.load_hf_weights(weights, dtype, device)
+    if quantized and block_max_rows > 0:
+        model.use_quantized_weights(quantized, block_max_rows)
+    if device.type == "cpu":
+        from inflight.kernels import cpu
+
+        if cpu.available():
+            model.use_cpu_kernels()
     for module in model.modules():  # the RMSNorm weights were created as float32 ones
         for name, param in module.named_parameters(recurse=False):
             if param.dtype != dtype or param.device != device:

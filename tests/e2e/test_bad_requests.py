@@ -84,3 +84,11 @@ def test_unknown_engine_option_raises(tiny_llama_dir):
 def test_missing_model_raises_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "no-such-model"))
+
+
+def test_bad_quantization_option_raises(tiny_llama_dir):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(str(tiny_llama_dir), quantization="int3")
+    # A Hugging Face directory has no GGUF blocks to compute from.
+    with pytest.raises(ValueError, match="needs a GGUF file"):
+        LLM(str(tiny_llama_dir), quantization="gguf")

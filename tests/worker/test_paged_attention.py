@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inflight.attention import cpu_kernels
-from inflight.attention.torch_paged import paged_attention
+from inflight.attention.torch_paged import paged_attention, write_kv
 from inflight.core.interface import ScheduledRequest, SchedulerOutput
+from inflight.kernels import cpu as cpu_kernels
 from inflight.sampling_params import SamplingParams
 from inflight.worker.input_batch import build_model_inputs
 from inflight.worker.kv_cache import key_token_view
@@ -81,6 +81,7 @@ def test_paged_attention_matches_dense(backend, kv_dtype, block_size, seed):
     step, q, k_new, v_new, k_cache, v_cache, per_seq = make_step(seed, kv_dtype, block_size)
     inputs = build_model_inputs(step, block_size, torch.device("cpu"), **BACKENDS[backend])
     scale = HEAD_DIM**-0.5
+    write_kv(k_cache, v_cache, k_new, v_new, inputs.attention)
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, inputs.attention, scale)
 
     tolerance = 1e-5 if kv_dtype == torch.float32 else 3e-2

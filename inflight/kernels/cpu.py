@@ -1,0 +1,99 @@
+"""The C++ CPU kernels: built on first use, cached by torch.
+
+``csrc/*.cpp`` (paged attention, GGUF block matmul, fused layer ops) are compiled together with
+``torch.utils.cpp_extension`` (g++ and ninja) into torch's extension cache, once per
+source version; ``scripts/bootstrap.sh`` builds them at install time so the first engine
+start does not pay for it. If the build fails (no compiler), :func:`available` says so and
+the engine uses PyTorch ops instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(str(p) for p in _CSRC.glob("*.cpp"))
+logger = logging.getLogger(__name__)
+
+
+def _build_name() -> str:
+    """Extension name with a digest of every source and header: torch's cache only watches
+    the .cpp files, so a changed header must change the name to force a rebuild."""
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return f"inflight_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+@cache
+def available() -> bool:
+    """Build (or load the cached build of) the kernels; False if that is impossible."""
+    if os.environ.get("INFLIGHT_ATTENTION_BACKEND", "auto") == "torch":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name=_build_name(),
+            sources=_SOURCES,
+            # No FMA contraction: scalar code rounds like PyTorch's separate mul and add.
+            extra_cflags=[
+                "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
+            ],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as error:  # a missing compiler must not stop the engine
+        logger.warning("C++ CPU kernels unavailable (%s); using PyTorch ops", error)
+        return False
+    return True
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """See csrc/paged_attention.cpp for shapes; q and the result are float32."""
+    return torch.ops.inflight.paged_attention(
+        q, k_cache, v_cache, block_tables, query_start, seq_lens, scale
+    )
+
+
+@cache
+def gguf_matmul_available() -> bool:
+    """Whether this build has the GGUF block matmul (it needs AVX-512)."""
+    return available() and bool(torch.ops.inflight.gguf_matmul_available())
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """``x [M, K] float32 @ W.T`` with W given as GGUF blocks ``[N, row_bytes]`` uint8."""
+    return torch.ops.inflight.gguf_matmul(x, blocks, ggml_type)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` for float32 ``x [T, hidden]``."""
+    return torch.ops.inflight.rms_norm(x, weight, eps, dtype)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    num_heads: int, num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k of ``qkv [T, (H + 2 KVH) * D]``, write K/V at ``slot_mapping``; returns
+    rotated ``q [T, H, D]`` and ``k [T, KVH, D]`` in ``qkv``'s dtype."""
+    return torch.ops.inflight.rope_write_kv(
+        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first)."""
+    return torch.ops.inflight.silu_mul(gate_up)
