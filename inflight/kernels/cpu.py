@@ -72,9 +72,14 @@ def gguf_matmul_available() -> bool:
     return available() and bool(torch.ops.inflight.gguf_matmul_available())
 
 
-def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """``x [M, K] float32 @ W.T`` with W given as GGUF blocks ``[N, row_bytes]`` uint8."""
-    return torch.ops.inflight.gguf_matmul(x, blocks, ggml_type)
+def gguf_pack(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """GGUF blocks ``[N, row_bytes]`` uint8 -> the layout :func:`gguf_matmul` reads."""
+    return torch.ops.inflight.gguf_pack(blocks, ggml_type)
+
+
+def gguf_matmul(x: torch.Tensor, packed: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """``x [M, K] float32 @ W.T`` with W given as :func:`gguf_pack`'s output."""
+    return torch.ops.inflight.gguf_matmul(x, packed, ggml_type)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:

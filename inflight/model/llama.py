@@ -43,7 +43,11 @@ class Linear(nn.Module):
                 f"quantised weight has {blocks.blocks.shape[0]} rows, expected "
                 f"{self.weight.shape[0]}"
             )
-        self.blocks = blocks
+        if blocks is not None:
+            blocks = QuantizedWeight(
+                blocks.ggml_type, cpu_kernels.gguf_pack(blocks.blocks, blocks.ggml_type)
+            )
+        self.blocks = blocks  # packed for the kernel
         self.block_max_rows = max_rows if blocks is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

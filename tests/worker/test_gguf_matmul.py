@@ -33,6 +33,10 @@ def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, cols // block_size * type_size)
 
 
+def packed(blocks: np.ndarray, qtype: QT) -> torch.Tensor:
+    return cpu.gguf_pack(torch.from_numpy(blocks), int(qtype))
+
+
 def reference_weights(qtype: QT, blocks: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
 
@@ -41,7 +45,7 @@ def reference_weights(qtype: QT, blocks: np.ndarray) -> torch.Tensor:
 def test_identity_input_reads_back_the_exact_weights(qtype: QT) -> None:
     blocks = random_blocks(qtype, rows=40, cols=96)
     weights = reference_weights(qtype, blocks)
-    out = cpu.gguf_matmul(torch.eye(96), torch.from_numpy(blocks), int(qtype))
+    out = cpu.gguf_matmul(torch.eye(96), packed(blocks, qtype), int(qtype))
     assert torch.equal(out, weights.T)
 
 
@@ -52,7 +56,7 @@ def test_products_match_float64(qtype: QT, rows: int) -> None:
     blocks = random_blocks(qtype, rows=4 * 16 + 7, cols=192, seed=rows)
     weights = reference_weights(qtype, blocks).double()
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
-    out = cpu.gguf_matmul(x, torch.from_numpy(blocks), int(qtype))
+    out = cpu.gguf_matmul(x, packed(blocks, qtype), int(qtype))
     expected = x.double() @ weights.T
     scale = (x.double().abs() @ weights.abs().T).max()
     assert out.dtype == torch.float32 and out.shape == expected.shape
@@ -60,7 +64,7 @@ def test_products_match_float64(qtype: QT, rows: int) -> None:
 
 
 def test_rejects_malformed_inputs() -> None:
-    blocks = torch.from_numpy(random_blocks(QT.Q4_1, rows=4, cols=64))
+    blocks = packed(random_blocks(QT.Q4_1, rows=4, cols=64), QT.Q4_1)
     with pytest.raises(RuntimeError, match="bytes per row"):
         cpu.gguf_matmul(torch.randn(1, 96), blocks, int(QT.Q4_1))
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
