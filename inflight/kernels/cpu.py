@@ -72,6 +72,11 @@ def gguf_matmul_available() -> bool:
     return available() and bool(torch.ops.inflight.gguf_matmul_available())
 
 
+def gguf_dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """GGUF blocks ``[N, row_bytes]`` uint8 (Q4_0, Q4_1, Q8_0) -> float32 ``[N, K]``."""
+    return torch.ops.inflight.gguf_dequantize(blocks, ggml_type)
+
+
 def gguf_pack(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """GGUF blocks ``[N, row_bytes]`` uint8 -> the layout :func:`gguf_matmul` reads."""
     return torch.ops.inflight.gguf_pack(blocks, ggml_type)

@@ -219,7 +219,7 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
 def dequantize_all(tensors: Sequence[GGUFTensor]) -> list[torch.Tensor]:
     """Each tensor as float32 in torch order, never sharing memory with the file.
 
-    F32/F16/BF16/Q8_0/Q4_0/Q4_1 are decoded with torch (bit-identical to
+    F32/F16/BF16/Q8_0/Q4_0/Q4_1 are decoded with the C++ kernel or torch (bit-identical to
     ``gguf.quants.dequantize``, multi-threaded, ~2x faster single-threaded), all tensors of a
     type in one pass: per-tensor decoding is ~1500 parallel regions for a small model, and
     on a shared CPU each can stall on a descheduled OpenMP thread (measured 4-15 s instead of
@@ -235,11 +235,22 @@ def dequantize_all(tensors: Sequence[GGUFTensor]) -> list[torch.Tensor]:
             out[i] = _dequantize_with_gguf(tensor)
     for qtype, indices in groups.items():
         raw = torch.cat([torch.from_numpy(tensors[i].data) for i in indices])  # copies
-        flat = _TORCH_DECODERS[qtype](raw).float().reshape(-1)
+        flat = _decode(qtype, raw).reshape(-1)
         sizes = [math.prod(tensors[i].shape) for i in indices]
         for i, part in zip(indices, flat.split(sizes), strict=True):
             out[i] = part.view(tensors[i].shape)
     return out  # type: ignore[return-value]
+
+
+def _decode(qtype: QT, raw: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of whole blocks -> float32, by the C++ kernel when built (one pass, 4-5x
+    faster than the torch decoders, same bits) or by torch."""
+    if qtype in BLOCK_MATMUL_TYPES:
+        from inflight.kernels import cpu
+
+        if cpu.available():
+            return cpu.gguf_dequantize(raw.view(-1, gguf.GGML_QUANT_SIZES[qtype][1]), int(qtype))
+    return _TORCH_DECODERS[qtype](raw).float()
 
 
 def _dequantize_with_gguf(tensor: GGUFTensor) -> torch.Tensor:

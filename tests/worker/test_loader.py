@@ -343,15 +343,23 @@ def test_gguf_written_by_test_round_trips(tmp_path, qtype):
     assert (arch.bos_token_id, arch.eos_token_ids, arch.vocab_size) == (260, (261,), 264)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp", "torch"])
 @pytest.mark.parametrize(
     "qtype", [QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0], ids=lambda q: q.name
 )
-def test_dequantize_is_bit_identical_to_gguf_package(qtype):
+def test_dequantize_is_bit_identical_to_gguf_package(qtype, use_kernel, monkeypatch):
+    from inflight.kernels import cpu
+
+    if not use_kernel:
+        monkeypatch.setattr(cpu, "available", lambda: False)
+    elif not cpu.available():
+        pytest.skip("C++ kernels not built")
     values = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    values[0, :32] = 0.0  # a block of zeros: the sign of zero must match too
     packed = gguf.quants.quantize(values, qtype)
     tensor = GGUFTensor("t", (96, 6), qtype, packed.reshape(-1))
-    expected = gguf.quants.dequantize(packed, qtype)
-    assert torch.equal(dequantize(tensor), torch.from_numpy(expected))
+    expected = torch.from_numpy(gguf.quants.dequantize(packed, qtype))
+    assert torch.equal(dequantize(tensor).view(torch.int32), expected.view(torch.int32))
 
 
 def test_gguf_qwen2_is_not_unpermuted_and_keeps_biases(tmp_path):

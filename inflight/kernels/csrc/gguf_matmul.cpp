@@ -215,6 +215,47 @@ at::Tensor gguf_pack(const at::Tensor& blocks_in, int64_t qtype) {
   return packed;
 }
 
+// GGUF blocks -> float32, each weight exactly as gguf's own dequantisation computes it
+// (q * d is exact in float32, so q * d + m rounds once either way).
+at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
+  const at::Tensor blocks = blocks_in.contiguous();
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
+              "blocks must be a uint8 [N, row_bytes] tensor");
+  const int64_t size = type_size(qtype);
+  TORCH_CHECK(blocks.size(1) % size == 0, "row of ", blocks.size(1), " bytes is not whole blocks");
+  const int64_t n = blocks.numel() / size;
+  auto out = at::empty({blocks.size(0), blocks.size(1) / size * kBlock}, at::kFloat);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, 8192, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* in = src + b * size;
+      float* w = dst + b * kBlock;
+      const float d = half_at(in);
+      if (qtype == kQ8_0) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(in + 2);
+        for (int64_t i = 0; i < kBlock; ++i) w[i] = static_cast<float>(qs[i]) * d;
+        continue;
+      }
+      if (qtype == kQ4_0) {
+        const uint8_t* qs = in + 2;
+        for (int64_t i = 0; i < 16; ++i) {
+          w[i] = static_cast<float>((qs[i] & 0x0F) - 8) * d;
+          w[i + 16] = static_cast<float>((qs[i] >> 4) - 8) * d;
+        }
+        continue;
+      }
+      const uint8_t* qs = in + 4;
+      const float m = half_at(in + 2);
+      for (int64_t i = 0; i < 16; ++i) {
+        w[i] = static_cast<float>(qs[i] & 0x0F) * d + m;
+        w[i + 16] = static_cast<float>(qs[i] >> 4) * d + m;
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
@@ -246,6 +287,8 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
 TORCH_LIBRARY_FRAGMENT(inflight, m) {
   m.def("gguf_pack(Tensor blocks, int qtype) -> Tensor");
   m.impl("gguf_pack", c10::DispatchKey::CPU, &gguf_pack);
+  m.def("gguf_dequantize(Tensor blocks, int qtype) -> Tensor");
+  m.impl("gguf_dequantize", c10::DispatchKey::CPU, &gguf_dequantize);
   m.def("gguf_matmul(Tensor x, Tensor blocks, int qtype) -> Tensor");
   m.impl("gguf_matmul", c10::DispatchKey::CPU, &gguf_matmul);
   m.def("gguf_matmul_available() -> bool", &gguf_matmul_available);
