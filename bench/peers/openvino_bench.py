@@ -111,15 +111,15 @@ def run_workload(a, ov, ov_genai, pipe, wl, props, effective, t_import, t_build,
 
     outs = [list(res.m_generation_ids[0]) for res in results]
     n_out = sum(len(o) for o in outs)
-    bad = [r["id"] for r, o in zip(reqs, outs) if len(o) != r["max_tokens"]]
+    bad = [r["id"] for r, o in zip(reqs, outs, strict=True) if len(o) != r["max_tokens"]]
     # same fingerprint scheme as vllm_bench_offline.py, for cross-engine checks
     h = hashlib.sha256()
-    for r, o in zip(reqs, outs):
+    for r, o in zip(reqs, outs, strict=True):
         h.update(json.dumps([r["id"], o]).encode())
     if a.dump_tokens:
         path = a.dump_tokens.replace("{wl}", os.path.basename(wl).replace(".jsonl", ""))
         with open(path, "w") as f:
-            for r, o in zip(reqs, outs):
+            for r, o in zip(reqs, outs, strict=True):
                 f.write(json.dumps({"id": r["id"], "output_token_ids": o}) + "\n")
 
     res = dict(

@@ -52,10 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in dense32}}
             inputs16 = {k: x.bfloat16() for k, x in inputs.items()}
-            blocks = _time_ms(lambda: [layer(inputs[layer.weight.shape[1]]) for layer in layers],
-                              args.repeats)
-            fp32 = _time_ms(lambda: [inputs[w.shape[1]] @ w.T for w in dense32], args.repeats)
-            bf16 = _time_ms(lambda: [inputs16[w.shape[1]] @ w.T for w in dense16], args.repeats)
+            blocks = _time_ms(
+                lambda x=inputs: [layer(x[layer.weight.shape[1]]) for layer in layers], args.repeats
+            )
+            fp32 = _time_ms(lambda x=inputs: [x[w.shape[1]] @ w.T for w in dense32], args.repeats)
+            bf16 = _time_ms(lambda x=inputs16: [x[w.shape[1]] @ w.T for w in dense16], args.repeats)
             print(f"{rows:>5} {blocks:>8.1f} {fp32:>8.1f} {bf16:>8.1f}")
     return 0
 

@@ -35,6 +35,12 @@ namespace {
 using namespace inflight_vec;
 
 constexpr int64_t kQueryTile = 16;
+constexpr int64_t kPrefetchBlocks = 2;
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Shape {
@@ -114,7 +120,12 @@ struct Item {
     const int64_t D = shape.head_dim, bs = shape.block_size;
 #if defined(__AVX512F__)
     if (bs == 16) {
+      const int64_t key_block_bytes = D * bs * static_cast<int64_t>(sizeof(kv_t));
       for (int64_t b = 0; b * bs < num_keys; ++b) {
+        // Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the
+        // next one: fetch the block kPrefetchBlocks ahead while this one is scored.
+        if ((b + kPrefetchBlocks) * bs < num_keys)
+          prefetch(key_block(b + kPrefetchBlocks), key_block_bytes);
         const kv_t* kb = key_block(b);
         int64_t r = 0;
         for (; r + 8 <= rows; r += 8)
@@ -178,7 +189,13 @@ struct Item {
     const int64_t D = shape.head_dim;
 #if defined(__AVX512F__)
     if (D == 64 || D == 128) {
-      auto row_of = [this](int64_t t) { return value_row(t); };
+      auto row_of = [this](int64_t t) {
+        // Value rows of the block kPrefetchBlocks ahead (see compute_scores).
+        const int64_t ahead = t + kPrefetchBlocks * shape.block_size;
+        if (ahead < num_keys)
+          prefetch(value_row(ahead), shape.head_dim * static_cast<int64_t>(sizeof(kv_t)));
+        return value_row(t);
+      };
       // Rows per pass keep NR * CH accumulators (plus CH value vectors) in registers.
       const int64_t per_pass = D == 64 ? 4 : 2;
       for (int64_t r = 0; r < rows; r += per_pass) {

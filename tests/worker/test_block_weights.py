@@ -1,0 +1,65 @@
+"""The default model's GGUF blocks, as the model uses them, hold the same weights as its
+dense parameters: fused q/k/v and gate/up blocks in the right order, rows un-permuted like
+the dense q/k, the tied lm_head reading the embedding's blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inflight.kernels import cpu
+from inflight.model.llama import Linear
+from inflight.model.loader import default_model_path, load_checkpoint
+from inflight.worker.device import block_matmul_rows, build_model
+
+pytestmark = pytest.mark.skipif(
+    not cpu.gguf_matmul_available(), reason="the GGUF block kernel needs AVX-512 and a compiler"
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint(default_model_path())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_linear_layer_reads_blocks_equal_to_its_dense_weight(checkpoint, dtype):
+    rows = block_matmul_rows(None, checkpoint.quantized, torch.device("cpu"), dtype)
+    assert rows > 0
+    model = build_model(
+        checkpoint.arch, checkpoint.weights, torch.device("cpu"), dtype, 64,
+        quantized=checkpoint.quantized, block_max_rows=rows,
+    )
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(layer.blocks is not None for layer in layers)
+    assert model.lm_head.blocks is not None  # tied: the embedding's Q8_0 blocks
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for layer in layers[:9] + [model.lm_head]:
+            x = torch.randn(3, layer.weight.shape[1], generator=generator)
+            from_blocks = layer(x)  # 3 rows: the block kernel
+            dense = x.double() @ checkpoint_dense(checkpoint, layer, model).T
+            scale = (x.double().abs() @ checkpoint_dense(checkpoint, layer, model).abs().T).max()
+            assert (from_blocks.double() - dense).abs().max() <= 1e-5 * scale
+
+
+def checkpoint_dense(checkpoint, layer: Linear, model) -> torch.Tensor:
+    """The layer's weight rebuilt from the checkpoint's float32 tensors (HF order)."""
+    w = checkpoint.weights
+    if layer is model.lm_head:
+        return w["model.embed_tokens.weight"].double()
+    for i, block in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        parts = {
+            id(block.self_attn.qkv_proj): [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+            id(block.self_attn.o_proj): [p + "self_attn.o_proj.weight"],
+            id(block.mlp.gate_up_proj): [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            id(block.mlp.down_proj): [p + "mlp.down_proj.weight"],
+        }.get(id(layer))
+        if parts:
+            return torch.cat([w[name] for name in parts]).double()
+    raise AssertionError("unknown layer")
+
+
+def test_quantization_none_keeps_dense_weights(checkpoint):
+    assert block_matmul_rows("none", checkpoint.quantized, torch.device("cpu"), torch.float32) == 0
