@@ -93,3 +93,26 @@ def test_paged_attention_matches_dense(backend, kv_dtype, block_size, seed):
         expected = dense_reference(q[offset : offset + new], k_ref, v_ref, total, scale)
         torch.testing.assert_close(out[offset : offset + new], expected, atol=tolerance, rtol=tolerance)
         offset += new
+
+
+def test_prompt_chunks_go_to_the_varlen_kernel_only_when_short():
+    from inflight.attention.metadata import PaddedGroup, VarlenGroup
+    from inflight.worker.input_batch import VARLEN_PREFILL_MAX_CHUNK
+
+    def prefill_group(lengths):
+        scheduled = [
+            ScheduledRequest(
+                request_id=str(i), token_ids=[0] * n, start_position=0,
+                block_ids=list(range(100 * i, 100 * i + -(-n // 16))), sample=True,
+                is_prefill=True, sampling_params=SamplingParams(), slot=i,
+            )
+            for i, n in enumerate(lengths)
+        ]
+        inputs = build_model_inputs(
+            SchedulerOutput(step_id=0, scheduled=scheduled), 16, torch.device("cpu"),
+            varlen_decode=True,
+        )
+        return inputs.attention.prefill
+
+    assert isinstance(prefill_group([5, 300, 40]), VarlenGroup)
+    assert isinstance(prefill_group([VARLEN_PREFILL_MAX_CHUNK + 1, 40]), PaddedGroup)

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -77,6 +78,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
 }
 
 // ------------------------------------------------------------------------- rope_write_kv
+constexpr int64_t kPrefetchTokens = 4;
+
 struct RopeShape {
   int64_t T, H, KVH, D, block_size;
 };
@@ -86,7 +89,18 @@ struct RopeShape {
 template <typename act_t>
 inline void rotate(const act_t* x, const float* c, const float* s, int64_t D, act_t* out) {
   const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  // Separate multiplies and adds (no FMA): the same roundings as the PyTorch expression.
+  for (; i + 16 <= half; i += 16) {
+    const __m512 a = load16(x + i), b = load16(x + i + half);
+    store16(out + i, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + i)),
+                                   _mm512_mul_ps(b, _mm512_loadu_ps(s + i))));
+    store16(out + i + half, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + i + half)),
+                                          _mm512_mul_ps(a, _mm512_loadu_ps(s + i + half))));
+  }
+#endif
+  for (; i < half; ++i) {
     const float a = load(x[i]), b = load(x[i + half]);
     out[i] = store<act_t>(a * c[i] - b * s[i]);
     out[i + half] = store<act_t>(b * c[i + half] + a * s[i + half]);
@@ -99,8 +113,21 @@ void rope_kv(const RopeShape& sh, const act_t* qkv, const int64_t* positions, co
              act_t* q_out, act_t* k_out) {
   const int64_t D = sh.D, KVH = sh.KVH, bs = sh.block_size;
   const int64_t row_size = (sh.H + 2 * KVH) * D;
+  // A token's key is one column of its block's [D][bs] tile: D scattered writes across
+  // ~32 cache lines per head, in a block anywhere in the cache. Fetching the lines of the
+  // token kPrefetchTokens ahead lets those misses overlap instead of queueing.
+  const int64_t d_per_line = std::max<int64_t>(1, 64 / (bs * static_cast<int64_t>(sizeof(kv_t))));
+  auto prefetch_key_column = [&](int64_t t) {
+    const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const kv_t* column = k_cache + (block * KVH + h) * D * bs + offset;
+      for (int64_t d = 0; d < D; d += d_per_line) __builtin_prefetch(column + d * bs, 1, 3);
+    }
+  };
   at::parallel_for(0, sh.T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < std::min(end, begin + kPrefetchTokens); ++t) prefetch_key_column(t);
     for (int64_t t = begin; t < end; ++t) {
+      if (t + kPrefetchTokens < end) prefetch_key_column(t + kPrefetchTokens);
       const act_t* row = qkv + t * row_size;
       const float* c = cos + positions[t] * D;
       const float* s = sin + positions[t] * D;
@@ -112,10 +139,12 @@ void rope_kv(const RopeShape& sh, const act_t* qkv, const int64_t* positions, co
         const act_t* v = row + (sh.H + KVH + h) * D;
         kv_t* k_dst = k_cache + (block * KVH + h) * D * bs + offset;  // [D][bs] per block
         kv_t* v_dst = v_cache + ((block * bs + offset) * KVH + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          k_dst[d * bs] = store<kv_t>(load(k[d]));
-          v_dst[d] = store<kv_t>(load(v[d]));
-        }
+        for (int64_t d = 0; d < D; ++d) k_dst[d * bs] = store<kv_t>(load(k[d]));
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= D; d += 16) store16(v_dst + d, load16(v + d));
+#endif
+        for (; d < D; ++d) v_dst[d] = store<kv_t>(load(v[d]));
       }
     }
   });
@@ -156,19 +185,22 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(
   const RopeShape sh{T, num_heads, num_kv_heads, D, bs};
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write_kv", [&] {
-    using act_t = scalar_t;
-    if (k_cache.scalar_type() == at::kFloat) {
-      rope_kv(sh, qkv.data_ptr<act_t>(), pp, c, s, sp, k_cache.data_ptr<float>(),
-              v_cache.data_ptr<float>(), q_out.data_ptr<act_t>(), k_out.data_ptr<act_t>());
-    } else if (k_cache.scalar_type() == at::kBFloat16) {
-      rope_kv(sh, qkv.data_ptr<act_t>(), pp, c, s, sp, k_cache.data_ptr<at::BFloat16>(),
-              v_cache.data_ptr<at::BFloat16>(), q_out.data_ptr<act_t>(),
-              k_out.data_ptr<act_t>());
-    } else {
-      TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
-    }
-  });
+  auto run = [&](auto act_zero, auto kv_zero) {
+    using act_t = decltype(act_zero);
+    using kv_t = decltype(kv_zero);
+    rope_kv(sh, qkv.data_ptr<act_t>(), pp, c, s, sp, k_cache.data_ptr<kv_t>(),
+            v_cache.data_ptr<kv_t>(), q_out.data_ptr<act_t>(), k_out.data_ptr<act_t>());
+  };
+  const bool act_f32 = qkv.scalar_type() == at::kFloat;
+  const bool kv_f32 = k_cache.scalar_type() == at::kFloat;
+  TORCH_CHECK(act_f32 || qkv.scalar_type() == at::kBFloat16, "qkv must be float32 or bfloat16");
+  TORCH_CHECK(kv_f32 || k_cache.scalar_type() == at::kBFloat16,
+              "KV cache dtype must be float32 or bfloat16");
+  using bf16 = at::BFloat16;
+  if (act_f32 && kv_f32) run(float{}, float{});
+  else if (act_f32) run(float{}, bf16{});
+  else if (kv_f32) run(bf16{}, float{});
+  else run(bf16{}, bf16{});
   return {q_out, k_out};
 }
 
@@ -193,10 +225,8 @@ void silu_mul_rows(const T* gate_up, int64_t rows, int64_t I, T* out) {
         const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
         const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
         const __m512 s = _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, s);
-        for (int j = 0; j < 16; ++j)  // round silu to T first, as F.silu(gate) * up does
-          o[i + j] = store<T>(load(store<T>(lanes[j])) * load(up[i + j]));
+        // Round silu to T first, as F.silu(gate) * up does.
+        store16(o + i, _mm512_mul_ps(round_to<T>(s), load16(up + i)));
       }
 #endif
       for (; i < I; ++i) o[i] = store<T>(load(store<T>(silu(load(gate[i])))) * load(up[i]));

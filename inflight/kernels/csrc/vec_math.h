@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -29,6 +30,30 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// Round-to-nearest-even to bfloat16, as torch does (with AVX512-BF16: one instruction).
+inline void store16(at::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<at::BFloat16>(lanes[i]);
+#endif
+}
+
+// v rounded to T's precision, back in float32 (T = float: v itself).
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) T lanes[16];
+    store16(lanes, v);
+    return load16(lanes);
+  }
 }
 
 // exp(x) for x <= 0 as 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial
