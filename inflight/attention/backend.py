@@ -3,8 +3,9 @@
 ``INFLIGHT_ATTENTION_BACKEND`` overrides the choice:
 
 * ``torch``: the PyTorch reference (padded SDPA over gathered blocks) for everything;
-* ``cpp``: the C++ varlen kernel for decode tokens, padded SDPA for prompt chunks
-  (the CPU default: SDPA's flash kernel is faster on long chunks);
+* ``cpp``: the C++ varlen kernel for decode tokens and short prompt chunks, padded SDPA
+  for steps with a prompt chunk over 1024 tokens (the CPU default: SDPA's flash kernel
+  is faster on long chunks; see ``worker/input_batch.py``);
 * ``cpp-all``: the C++ kernel for every token.
 """
 
