@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "static")
+# KV cache element type; "auto" follows the model's dtype, "int8" stores each token's K/V
+# per head as int8 with a float32 scale (half of bfloat16's bytes).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 QUANTIZATION_MODES = (None, "gguf", "none")
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -67,9 +70,14 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     enable_prefix_caching: bool = False
+    cache_dtype: str = "auto"  # engine option kv_cache_dtype, as in vLLM
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(
+            self.cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}",
+        )
         _require(
             self.num_kv_blocks is None or self.num_kv_blocks >= 1,
             f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}",
@@ -139,6 +147,7 @@ def make_engine_config(
     enable_prefix_caching: bool = False,
     record_trace: bool = False,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     """vLLM-style keyword options -> a validated :class:`EngineConfig`.
 
@@ -155,7 +164,8 @@ def make_engine_config(
                           max_model_len=max_model_len, quantization=quantization),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                           kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching,
+                          cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=provisional_len,

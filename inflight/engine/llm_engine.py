@@ -51,6 +51,7 @@ class LLMEngine:
             build_model,
             pick_device,
             pick_dtype,
+            pick_kv_cache_dtype,
         )
         from inflight.worker.kv_cache import bytes_per_block
         from inflight.worker.model_runner import ModelRunner
@@ -78,9 +79,10 @@ class LLMEngine:
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         self.config = dataclasses.replace(config, scheduler=scheduler_config)
 
+        kv_dtype = pick_kv_cache_dtype(config.cache.cache_dtype, self.dtype)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_kv_blocks or self._default_num_blocks(
-            config.cache.kv_cache_memory_bytes // bytes_per_block(arch, block_size, self.dtype),
+            config.cache.kv_cache_memory_bytes // bytes_per_block(arch, block_size, kv_dtype),
             max_model_len,
         )
         if config.model.quantization == "gguf" and not checkpoint.quantized:
@@ -98,7 +100,7 @@ class LLMEngine:
         del checkpoint
         self.timings = StepTimings()
         self.runner = ModelRunner(
-            model, num_blocks, block_size, self.device, self.dtype, self.timings
+            model, num_blocks, block_size, self.device, kv_dtype, self.timings
         )
         self.kv_cache = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)

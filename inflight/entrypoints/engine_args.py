@@ -9,6 +9,7 @@ from inflight.config import (
     BATCHING_MODES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_SEQS,
+    KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
 )
 
@@ -28,6 +29,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         help="gguf: small batches read a GGUF file's quantised weights (the default when "
         "the CPU kernel is available); none: dense weights only",
     )
+    group.add_argument(
+        "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="KV cache element type: auto (the model's dtype), float32, bfloat16, or int8 "
+        "(per-token, per-head scales; half of bfloat16's bytes for attention to read)",
+    )
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
@@ -46,7 +52,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The LLM/LLMEngine keyword options named by ``add_engine_args``."""
     options: dict[str, Any] = dict(
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         enable_chunked_prefill=args.enable_chunked_prefill,

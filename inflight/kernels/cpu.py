@@ -59,10 +59,12 @@ def available() -> bool:
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See csrc/paged_attention.cpp for shapes; q and the result are float32."""
+    """See csrc/paged_attention.cpp for shapes; q and the result are float32. ``k_scale``
+    and ``v_scale`` come with (and only with) an int8 cache."""
     return torch.ops.inflight.paged_attention(
-        q, k_cache, v_cache, block_tables, query_start, seq_lens, scale
+        q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, k_scale, v_scale
     )
 
 
@@ -96,11 +98,14 @@ def rope_write_kv(
     qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     num_heads: int, num_kv_heads: int,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k of ``qkv [T, (H + 2 KVH) * D]``, write K/V at ``slot_mapping``; returns
-    rotated ``q [T, H, D]`` and ``k [T, KVH, D]`` in ``qkv``'s dtype."""
+    """Rotate q and k of ``qkv [T, (H + 2 KVH) * D]``, write K/V at ``slot_mapping`` (an
+    int8 cache: quantised, scales into ``k_scale``/``v_scale``); returns rotated
+    ``q [T, H, D]`` and ``k [T, KVH, D]`` in ``qkv``'s dtype."""
     return torch.ops.inflight.rope_write_kv(
-        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        k_scale, v_scale,
     )
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from inflight.model.arch import LlamaArchConfig
-from inflight.model.llama import LlamaForCausalLM
+from inflight.model.llama import Linear, LlamaForCausalLM
 from inflight.model.loader import QuantizedWeight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,6 +25,15 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # fp32 on the CPU (exact parity with transformers); bf16 on GPUs.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def pick_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's dtype for "auto"."""
+    if name == "auto":
+        return dtype
+    if name == "int8":  # the C++ kernel reads it in place; the PyTorch path dequantises
+        return torch.int8
     return _DTYPES[name]
 
 
@@ -76,5 +85,10 @@ def build_model(
             if param.dtype != dtype or param.device != device:
                 setattr(module, name, nn.Parameter(param.to(device, dtype), requires_grad=False))
     model.tie_weights()
+    if device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.use_packed_weight()
     model.rotary.build(device)  # RoPE tables stay float32
     return model.eval()
+

@@ -4,41 +4,69 @@
 
     k_cache[layer]: [num_blocks, num_kv_heads, head_dim, block_size]   keys transposed
     v_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale[layer], v_scale[layer]: [num_blocks, num_kv_heads, block_size]   int8 only
 
 Keys are stored transposed inside a block so the CPU kernel can score a whole block of
 keys with broadcast FMAs; :func:`key_token_view` gives the logical
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` view that everything else uses.
 Zero-initialised: padded attention reads of never-written slots must be finite.
+
+An int8 cache (``kv_cache_dtype="int8"``) stores each token's K and V per head as
+``round(x / scale)`` with ``scale = max|x| / 127``: half the bytes of bfloat16 for
+attention to read, which is what bounds decode attention over long contexts on a CPU.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from typing import NamedTuple
 
 import torch
 
 from inflight.model.arch import LlamaArchConfig
 
 
+class LayerKVCache(NamedTuple):
+    """One layer's cache; the scales exist only for an int8 cache."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
 def bytes_per_block(arch: LlamaArchConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * element
+    per_head_token = arch.head_dim * element + (4 if dtype == torch.int8 else 0)
+    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * per_head_token
 
 
 def allocate_kv_cache(
     arch: LlamaArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
     device: torch.device,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> list[LayerKVCache]:
     kv_heads, head_dim = arch.num_key_value_heads, arch.head_dim
     k_shape = (num_blocks, kv_heads, head_dim, block_size)
     v_shape = (num_blocks, block_size, kv_heads, head_dim)
     per_tensor = math.prod(k_shape)
-    buffer = _zeros(2 * arch.num_hidden_layers * per_tensor, dtype, device)
+    layers = arch.num_hidden_layers
+    buffer = _zeros(2 * layers * per_tensor, dtype, device)
     parts = buffer.split(per_tensor)
+    if dtype != torch.int8:
+        return [
+            LayerKVCache(parts[2 * i].view(k_shape), parts[2 * i + 1].view(v_shape))
+            for i in range(layers)
+        ]
+    scale_shape = (num_blocks, kv_heads, block_size)
+    per_scale = math.prod(scale_shape)
+    scales = _zeros(2 * layers * per_scale, torch.float32, device).split(per_scale)
     return [
-        (parts[2 * layer].view(k_shape), parts[2 * layer + 1].view(v_shape))
-        for layer in range(arch.num_hidden_layers)
+        LayerKVCache(
+            parts[2 * i].view(k_shape), parts[2 * i + 1].view(v_shape),
+            scales[2 * i].view(scale_shape), scales[2 * i + 1].view(scale_shape),
+        )
+        for i in range(layers)
     ]
 
 
@@ -64,3 +92,8 @@ def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 def key_token_view(k_cache: torch.Tensor) -> torch.Tensor:
     """The key cache as [num_blocks, block_size, num_kv_heads, head_dim] (a strided view)."""
     return k_cache.permute(0, 3, 1, 2)
+
+
+def scale_token_view(scale: torch.Tensor) -> torch.Tensor:
+    """int8 scales as [num_blocks, block_size, num_kv_heads] (a strided view)."""
+    return scale.transpose(1, 2)

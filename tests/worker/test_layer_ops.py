@@ -48,7 +48,7 @@ def test_silu_mul(dtype, tokens):
 
 
 @pytest.mark.parametrize("act_dtype", DTYPES)
-@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("kv_dtype", [*DTYPES, torch.int8])
 def test_rope_write_kv_matches_rotary_and_write_kv(act_dtype, kv_dtype):
     heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 10
     arch = LlamaArchConfig(
@@ -64,27 +64,38 @@ def test_rope_write_kv_matches_rotary_and_write_kv(act_dtype, kv_dtype):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(act_dtype)
 
     def empty_caches():
+        scales = (None, None)
+        if kv_dtype == torch.int8:  # int8 also writes a scale per token and head
+            scales = (torch.zeros(num_blocks, kv_heads, block_size),
+                      torch.zeros(num_blocks, kv_heads, block_size))
         return (torch.zeros(num_blocks, kv_heads, head_dim, block_size, dtype=kv_dtype),
-                torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype))
+                torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype), *scales)
 
     # Reference: the PyTorch path of Attention.forward.
     q_ref, k_ref, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     q_ref, k_ref = rotary(positions, q_ref.view(tokens, heads, head_dim),
                           k_ref.view(tokens, kv_heads, head_dim))
     v = v.view(tokens, kv_heads, head_dim)
-    k_cache_ref, v_cache_ref = empty_caches()
+    k_cache_ref, v_cache_ref, k_scale_ref, v_scale_ref = empty_caches()
 
     class Slots:  # the three fields write_kv reads from AttentionMetadata
         slot_mapping, slot_block, slot_offset = slots, slots // block_size, slots % block_size
 
-    write_kv(k_cache_ref, v_cache_ref, k_ref, v, Slots)  # type: ignore[arg-type]
+    write_kv(k_cache_ref, v_cache_ref, k_ref, v, Slots,  # type: ignore[arg-type]
+             k_scale_ref, v_scale_ref)
 
-    k_cache, v_cache = empty_caches()
+    k_cache, v_cache, k_scale, v_scale = empty_caches()
     q, k = cpu.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots,
-                             heads, kv_heads)
+                             heads, kv_heads, k_scale, v_scale)
     assert_close(q, q_ref)
     assert_close(k, k_ref)
-    assert_close(k_cache, k_cache_ref)
+    if kv_dtype == torch.int8:
+        # the same arithmetic as torch_paged.quantize_kv, so the same bytes and scales
+        assert torch.equal(k_cache, k_cache_ref)
+        assert torch.equal(k_scale, k_scale_ref) and torch.equal(v_scale, v_scale_ref)
+        assert bool((k_scale_ref > 0).any())
+    else:
+        assert_close(k_cache, k_cache_ref)
     assert torch.equal(v_cache, v_cache_ref)  # values are copied, never recomputed
 
 

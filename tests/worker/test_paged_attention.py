@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inflight.attention.torch_paged import paged_attention, write_kv
+from inflight.attention.torch_paged import paged_attention, quantize_kv, write_kv
 from inflight.core.interface import ScheduledRequest, SchedulerOutput
 from inflight.kernels import cpu as cpu_kernels
 from inflight.sampling_params import SamplingParams
 from inflight.worker.input_batch import build_model_inputs
-from inflight.worker.kv_cache import key_token_view
+from inflight.worker.kv_cache import key_token_view, scale_token_view
 
 # head_dim 64 takes the vectorised value path; the tiny parity model (16) the generic one
 HEADS, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 6, 2, 64, 64
@@ -42,6 +42,10 @@ def make_step(seed: int, kv_dtype: torch.dtype, block_size: int):
     rng.shuffle(free_blocks)
     k_cache = torch.zeros(NUM_BLOCKS, KV_HEADS, HEAD_DIM, block_size, dtype=kv_dtype)
     v_cache = torch.zeros(NUM_BLOCKS, block_size, KV_HEADS, HEAD_DIM, dtype=kv_dtype)
+    scales = None
+    if kv_dtype == torch.int8:
+        scales = (torch.zeros(NUM_BLOCKS, KV_HEADS, block_size),
+                  torch.zeros(NUM_BLOCKS, KV_HEADS, block_size))
     keys = key_token_view(k_cache)
     scheduled, per_seq = [], []
     params = SamplingParams()
@@ -51,8 +55,15 @@ def make_step(seed: int, kv_dtype: torch.dtype, block_size: int):
         k_all = torch.randn(total, KV_HEADS, HEAD_DIM)
         v_all = torch.randn(total, KV_HEADS, HEAD_DIM)
         for pos in range(cached):  # the prefix is already in the cache
-            keys[blocks[pos // block_size], pos % block_size] = k_all[pos]
-            v_cache[blocks[pos // block_size], pos % block_size] = v_all[pos]
+            where = (blocks[pos // block_size], pos % block_size)
+            if scales is None:
+                keys[where] = k_all[pos]
+                v_cache[where] = v_all[pos]
+                continue
+            (k8, k_scale), (v8, v_scale) = quantize_kv(k_all[pos]), quantize_kv(v_all[pos])
+            keys[where], v_cache[where] = k8, v8
+            scale_token_view(scales[0])[where] = k_scale
+            scale_token_view(scales[1])[where] = v_scale
         scheduled.append(ScheduledRequest(
             request_id=str(i), token_ids=[0] * new, start_position=cached, block_ids=blocks,
             sample=True, is_prefill=new > 1, sampling_params=params, slot=i,
@@ -61,7 +72,16 @@ def make_step(seed: int, kv_dtype: torch.dtype, block_size: int):
     q = torch.randn(sum(n for _, n in shapes), HEADS, HEAD_DIM)
     k_new = torch.cat([k[-n:] for k, _, _, n in per_seq])
     v_new = torch.cat([v[-n:] for _, v, _, n in per_seq])
-    return SchedulerOutput(step_id=0, scheduled=scheduled), q, k_new, v_new, k_cache, v_cache, per_seq
+    return (SchedulerOutput(step_id=0, scheduled=scheduled), q, k_new, v_new, k_cache, v_cache,
+            scales, per_seq)
+
+
+def as_stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """What a cache of kv_dtype gives back for x, in float32."""
+    if kv_dtype == torch.int8:
+        quantized, scale = quantize_kv(x)
+        return quantized.float() * scale[..., None]
+    return x.to(kv_dtype).float()
 
 
 BACKENDS = {
@@ -72,24 +92,31 @@ BACKENDS = {
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("seed", range(4))
 def test_paged_attention_matches_dense(backend, kv_dtype, block_size, seed):
     if backend != "torch" and not cpu_kernels.available():
         pytest.skip("the C++ kernel could not be built here")
-    step, q, k_new, v_new, k_cache, v_cache, per_seq = make_step(seed, kv_dtype, block_size)
+    step, q, k_new, v_new, k_cache, v_cache, scales, per_seq = make_step(
+        seed, kv_dtype, block_size
+    )
+    k_scale, v_scale = scales if scales is not None else (None, None)
     inputs = build_model_inputs(step, block_size, torch.device("cpu"), **BACKENDS[backend])
     scale = HEAD_DIM**-0.5
-    write_kv(k_cache, v_cache, k_new, v_new, inputs.attention)
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, inputs.attention, scale)
+    write_kv(k_cache, v_cache, k_new, v_new, inputs.attention, k_scale, v_scale)
+    out = paged_attention(
+        q, k_new, v_new, k_cache, v_cache, inputs.attention, scale, k_scale, v_scale
+    )
 
-    tolerance = 1e-5 if kv_dtype == torch.float32 else 3e-2
+    # int8: the torch backend attends a fresh prompt's own K/V before quantisation, the
+    # kernel reads them back from the cache, so both are within int8's rounding.
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.int8: 3e-2}[kv_dtype]
     offset = 0
     for k_all, v_all, total, new in per_seq:
         # the reference sees the same (possibly rounded) K/V the cache holds
-        k_ref = k_all.to(kv_dtype).float()
-        v_ref = v_all.to(kv_dtype).float()
+        k_ref = as_stored(k_all, kv_dtype)
+        v_ref = as_stored(v_all, kv_dtype)
         expected = dense_reference(q[offset : offset + new], k_ref, v_ref, total, scale)
         torch.testing.assert_close(out[offset : offset + new], expected, atol=tolerance, rtol=tolerance)
         offset += new

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 
@@ -107,10 +108,22 @@ inline void rotate(const act_t* x, const float* c, const float* s, int64_t D, ac
   }
 }
 
+// int8 KV: one head's D values as round(x / scale) with scale = max|x| / 127, written at
+// dst[d * stride]; the same arithmetic as torch_paged.quantize_kv.
+template <typename act_t>
+inline void quantize_head(const act_t* x, int64_t D, int8_t* dst, int64_t stride, float* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(load(x[d])));
+  const float s = amax / 127.0f;
+  *scale = s;
+  for (int64_t d = 0; d < D; ++d)
+    dst[d * stride] = s > 0.f ? static_cast<int8_t>(std::nearbyint(load(x[d]) / s)) : 0;
+}
+
 template <typename act_t, typename kv_t>
 void rope_kv(const RopeShape& sh, const act_t* qkv, const int64_t* positions, const float* cos,
              const float* sin, const int64_t* slots, kv_t* k_cache, kv_t* v_cache,
-             act_t* q_out, act_t* k_out) {
+             float* k_scale, float* v_scale, act_t* q_out, act_t* k_out) {
   const int64_t D = sh.D, KVH = sh.KVH, bs = sh.block_size;
   const int64_t row_size = (sh.H + 2 * KVH) * D;
   // A token's key is one column of its block's [D][bs] tile: D scattered writes across
@@ -139,12 +152,18 @@ void rope_kv(const RopeShape& sh, const act_t* qkv, const int64_t* positions, co
         const act_t* v = row + (sh.H + KVH + h) * D;
         kv_t* k_dst = k_cache + (block * KVH + h) * D * bs + offset;  // [D][bs] per block
         kv_t* v_dst = v_cache + ((block * bs + offset) * KVH + h) * D;
-        for (int64_t d = 0; d < D; ++d) k_dst[d * bs] = store<kv_t>(load(k[d]));
-        int64_t d = 0;
+        if constexpr (std::is_same_v<kv_t, int8_t>) {
+          const int64_t scale_at = (block * KVH + h) * bs + offset;  // [blocks, KVH, bs]
+          quantize_head(k, D, k_dst, bs, k_scale + scale_at);
+          quantize_head(v, D, v_dst, 1, v_scale + scale_at);
+        } else {
+          for (int64_t d = 0; d < D; ++d) k_dst[d * bs] = store<kv_t>(load(k[d]));
+          int64_t d = 0;
 #if defined(__AVX512F__)
-        for (; d + 16 <= D; d += 16) store16(v_dst + d, load16(v + d));
+          for (; d + 16 <= D; d += 16) store16(v_dst + d, load16(v + d));
 #endif
-        for (; d < D; ++d) v_dst[d] = store<kv_t>(load(v[d]));
+          for (; d < D; ++d) v_dst[d] = store<kv_t>(load(v[d]));
+        }
       }
     }
   });
@@ -153,7 +172,8 @@ void rope_kv(const RopeShape& sh, const act_t* qkv, const int64_t* positions, co
 std::tuple<at::Tensor, at::Tensor> rope_write_kv(
     const at::Tensor& qkv_in, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const at::Tensor qkv = qkv_in.contiguous();
   TORCH_CHECK(qkv.dim() == 2, "qkv must be [T, (H + 2 KVH) * D]");
   const int64_t T = qkv.size(0);
@@ -185,19 +205,34 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(
   const RopeShape sh{T, num_heads, num_kv_heads, D, bs};
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()),
+              "an int8 KV cache needs k_scale and v_scale, other dtypes none");
+  float* ksp = nullptr;
+  float* vsp = nullptr;
+  if (int8) {
+    for (const at::Tensor* sc : {&*k_scale, &*v_scale})
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() &&
+                      sc->numel() == k_cache.size(0) * num_kv_heads * bs,
+                  "KV scales must be contiguous float32 [num_blocks, KVH, block_size]");
+    ksp = k_scale->data_ptr<float>();
+    vsp = v_scale->data_ptr<float>();
+  }
   auto run = [&](auto act_zero, auto kv_zero) {
     using act_t = decltype(act_zero);
     using kv_t = decltype(kv_zero);
     rope_kv(sh, qkv.data_ptr<act_t>(), pp, c, s, sp, k_cache.data_ptr<kv_t>(),
-            v_cache.data_ptr<kv_t>(), q_out.data_ptr<act_t>(), k_out.data_ptr<act_t>());
+            v_cache.data_ptr<kv_t>(), ksp, vsp, q_out.data_ptr<act_t>(), k_out.data_ptr<act_t>());
   };
   const bool act_f32 = qkv.scalar_type() == at::kFloat;
   const bool kv_f32 = k_cache.scalar_type() == at::kFloat;
   TORCH_CHECK(act_f32 || qkv.scalar_type() == at::kBFloat16, "qkv must be float32 or bfloat16");
-  TORCH_CHECK(kv_f32 || k_cache.scalar_type() == at::kBFloat16,
-              "KV cache dtype must be float32 or bfloat16");
+  TORCH_CHECK(kv_f32 || int8 || k_cache.scalar_type() == at::kBFloat16,
+              "KV cache dtype must be float32, bfloat16 or int8");
   using bf16 = at::BFloat16;
-  if (act_f32 && kv_f32) run(float{}, float{});
+  if (int8 && act_f32) run(float{}, int8_t{});
+  else if (int8) run(bf16{}, int8_t{});
+  else if (act_f32 && kv_f32) run(float{}, float{});
   else if (act_f32) run(float{}, bf16{});
   else if (kv_f32) run(bf16{}, float{});
   else run(bf16{}, bf16{});
@@ -256,8 +291,8 @@ TORCH_LIBRARY_FRAGMENT(inflight, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.def(
       "rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-      "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) "
-      "-> (Tensor, Tensor)");
+      "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
+      "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> (Tensor, Tensor)");
   m.impl("rope_write_kv", c10::DispatchKey::CPU, &rope_write_kv);
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);

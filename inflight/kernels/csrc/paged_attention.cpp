@@ -2,8 +2,10 @@
 // prompt chunks and decode tokens alike, reading K/V in place through block tables.
 //
 //   q:            [T, H, D]   float32, the step's query tokens, sequence after sequence
-//   k_cache:      [num_blocks, KVH, D, block_size]   float32 or bfloat16 (keys transposed)
+//   k_cache:      [num_blocks, KVH, D, block_size]   float32, bfloat16 or int8 (keys transposed)
 //   v_cache:      [num_blocks, block_size, KVH, D]   same dtype
+//   k_scale, v_scale: [num_blocks, KVH, block_size] float32, only with int8 caches: the
+//                 value of a stored int8 x is x * scale (one scale per token and head)
 //   block_tables: [S, max_blocks] int32
 //   query_start:  [S + 1] int32   tokens of sequence s are q[query_start[s] : query_start[s+1]]
 //   seq_lens:     [S] int32       context length of s after this step (cached + new)
@@ -22,10 +24,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "vec_math.h"
@@ -56,34 +60,44 @@ struct WorkItem {
 
 // ---------------------------------------------------------------- vector helpers (AVX-512)
 #if defined(__AVX512F__)
-// Scores of NR query rows against the 16 keys of one block (keys stored [D][16]). NR is a
-// compile-time constant so the accumulators live in registers.
-template <int NR, typename kv_t>
-inline void score_block(const float* queries, int64_t D, const kv_t* kb, float* scores,
-                        int64_t row_stride) {
-  __m512 acc[NR];
-  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+// Scores of NR query rows against the 16 keys of each of NB blocks (keys stored [D][16]).
+// NR and NB are compile-time so the NR * NB accumulators live in registers; NB > 1 gives a
+// few query rows (a decode token's heads) enough independent FMA chains to hide latency.
+template <int NR, int NB, typename kv_t>
+inline void score_blocks(const float* queries, int64_t D, const kv_t* const* kb, float* scores,
+                         int64_t row_stride) {
+  __m512 acc[NR * NB];
+  for (int i = 0; i < NR * NB; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const __m512 kd = load16(kb + d * 16);
-    for (int j = 0; j < NR; ++j)
-      acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(queries[j * D + d]), kd, acc[j]);
+    __m512 kd[NB];
+    for (int b = 0; b < NB; ++b) kd[b] = load16(kb[b] + d * 16);
+    for (int j = 0; j < NR; ++j) {
+      const __m512 qd = _mm512_set1_ps(queries[j * D + d]);
+      for (int b = 0; b < NB; ++b) acc[j * NB + b] = _mm512_fmadd_ps(qd, kd[b], acc[j * NB + b]);
+    }
   }
-  for (int j = 0; j < NR; ++j) _mm512_storeu_ps(scores + j * row_stride, acc[j]);
+  for (int j = 0; j < NR; ++j)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(scores + j * row_stride + b * 16, acc[j * NB + b]);
 }
 
-// out[NR][16 * CH] = probs[NR][:num_keys] @ V, V rows found through value_row(t).
-template <int NR, int CH, typename kv_t, typename RowFn>
-inline void weigh_values(const float* probs, int64_t row_stride, int64_t num_keys,
-                         RowFn value_row, float* out, int64_t D) {
+// out[NR][16 * CH] = probs[NR][:num_keys] @ V. Walks V block by block: block_rows(b) is
+// the first value row of block b, the next rows follow at row_stride elements.
+template <int NR, int CH, typename kv_t, typename BlockFn>
+inline void weigh_values(const float* probs, int64_t prob_stride, int64_t num_keys,
+                         int64_t block_size, BlockFn block_rows, int64_t row_stride, float* out,
+                         int64_t D) {
   __m512 acc[NR * CH];
   for (int i = 0; i < NR * CH; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < num_keys; ++t) {
-    const kv_t* v = value_row(t);
-    __m512 vc[CH];
-    for (int c = 0; c < CH; ++c) vc[c] = load16(v + c * 16);
-    for (int j = 0; j < NR; ++j) {
-      const __m512 p = _mm512_set1_ps(probs[j * row_stride + t]);
-      for (int c = 0; c < CH; ++c) acc[j * CH + c] = _mm512_fmadd_ps(p, vc[c], acc[j * CH + c]);
+  for (int64_t first = 0; first < num_keys; first += block_size) {
+    const kv_t* v = block_rows(first / block_size);
+    const int64_t n = std::min(block_size, num_keys - first);
+    for (int64_t t = 0; t < n; ++t, v += row_stride) {
+      __m512 vc[CH];
+      for (int c = 0; c < CH; ++c) vc[c] = load16(v + c * 16);
+      for (int j = 0; j < NR; ++j) {
+        const __m512 p = _mm512_set1_ps(probs[j * prob_stride + first + t]);
+        for (int c = 0; c < CH; ++c) acc[j * CH + c] = _mm512_fmadd_ps(p, vc[c], acc[j * CH + c]);
+      }
     }
   }
   for (int j = 0; j < NR; ++j)
@@ -105,45 +119,33 @@ struct Item {
   const float* queries;  // [rows, D], already scaled
   float* scores;         // [rows, padded_keys]
   float* out;            // [rows, D]
+  const float* key_scales;    // int8 caches: [padded_keys] scale of each key, else null
+  const float* value_scales;  // same for the values
 
   const kv_t* key_block(int64_t b) const {  // [D][block_size]
     const int64_t block = table[b];
     return k_cache + (block * shape.num_kv_heads + kv_head) * shape.head_dim * shape.block_size;
   }
-  const kv_t* value_row(int64_t t) const {  // [D]
-    const int64_t block = table[t / shape.block_size];
-    const int64_t slot = block * shape.block_size + t % shape.block_size;
-    return v_cache + (slot * shape.num_kv_heads + kv_head) * shape.head_dim;
+  const kv_t* value_block(int64_t b) const {  // row 0 of block b for this head: [D]
+    const int64_t first_slot = static_cast<int64_t>(table[b]) * shape.block_size;
+    return v_cache + (first_slot * shape.num_kv_heads + kv_head) * shape.head_dim;
   }
+
+  int64_t num_key_blocks() const { return (num_keys + shape.block_size - 1) / shape.block_size; }
 
   void compute_scores() {
     const int64_t D = shape.head_dim, bs = shape.block_size;
 #if defined(__AVX512F__)
     if (bs == 16) {
-      const int64_t key_block_bytes = D * bs * static_cast<int64_t>(sizeof(kv_t));
-      for (int64_t b = 0; b * bs < num_keys; ++b) {
-        // Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the
-        // next one: fetch the block kPrefetchBlocks ahead while this one is scored.
-        if ((b + kPrefetchBlocks) * bs < num_keys)
-          prefetch(key_block(b + kPrefetchBlocks), key_block_bytes);
-        const kv_t* kb = key_block(b);
-        int64_t r = 0;
-        for (; r + 8 <= rows; r += 8)
-          score_block<8>(queries + r * D, D, kb, scores + r * padded_keys + b * bs, padded_keys);
-        const float* q = queries + r * D;
-        float* out_scores = scores + r * padded_keys + b * bs;
-        switch (rows - r) {
-          case 1: score_block<1>(q, D, kb, out_scores, padded_keys); break;
-          case 2: score_block<2>(q, D, kb, out_scores, padded_keys); break;
-          case 3: score_block<3>(q, D, kb, out_scores, padded_keys); break;
-          case 4: score_block<4>(q, D, kb, out_scores, padded_keys); break;
-          case 5: score_block<5>(q, D, kb, out_scores, padded_keys); break;
-          case 6: score_block<6>(q, D, kb, out_scores, padded_keys); break;
-          case 7: score_block<7>(q, D, kb, out_scores, padded_keys); break;
-          default: break;
-        }
+      // A decode token has only the group's few query rows: score several blocks per
+      // pass so there are enough independent accumulators.
+      switch (rows) {
+        case 1: score_few_rows<1, 8>(); return;
+        case 2: score_few_rows<2, 4>(); return;
+        case 3: score_few_rows<3, 3>(); return;
+        case 4: score_few_rows<4, 2>(); return;
+        default: score_many_rows(); return;
       }
-      return;
     }
 #endif
     for (int64_t b = 0; b * bs < num_keys; ++b) {
@@ -159,9 +161,62 @@ struct Item {
     }
   }
 
-  // Softmax of row r over its visible keys [0, visible); the rest become 0.
+#if defined(__AVX512F__)
+  // Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next
+  // one: fetch the blocks `ahead` blocks on while these are scored.
+  void prefetch_key_blocks(int64_t first, int64_t count) const {
+    const int64_t bytes = shape.head_dim * shape.block_size * static_cast<int64_t>(sizeof(kv_t));
+    const int64_t end = std::min(first + count, num_key_blocks());
+    for (int64_t b = first; b < end; ++b) prefetch(key_block(b), bytes);
+  }
+
+  template <int NR, int NB>
+  void score_few_rows() {  // rows == NR, NB blocks per pass
+    const int64_t D = shape.head_dim, blocks = num_key_blocks();
+    int64_t b = 0;
+    for (; b + NB <= blocks; b += NB) {
+      prefetch_key_blocks(b + std::max<int64_t>(NB, kPrefetchBlocks), NB);
+      const kv_t* kb[NB];
+      for (int j = 0; j < NB; ++j) kb[j] = key_block(b + j);
+      score_blocks<NR, NB>(queries, D, kb, scores + b * 16, padded_keys);
+    }
+    for (; b < blocks; ++b) {
+      const kv_t* kb[1] = {key_block(b)};
+      score_blocks<NR, 1>(queries, D, kb, scores + b * 16, padded_keys);
+    }
+  }
+
+  void score_many_rows() {  // a prompt chunk's tile: each block is scored for 8 rows at a time
+    const int64_t D = shape.head_dim;
+    for (int64_t b = 0; b < num_key_blocks(); ++b) {
+      prefetch_key_blocks(b + kPrefetchBlocks, 1);
+      const kv_t* kb[1] = {key_block(b)};
+      int64_t r = 0;
+      for (; r + 8 <= rows; r += 8)
+        score_blocks<8, 1>(queries + r * D, D, kb, scores + r * padded_keys + b * 16, padded_keys);
+      const float* q = queries + r * D;
+      float* out_scores = scores + r * padded_keys + b * 16;
+      switch (rows - r) {
+        case 1: score_blocks<1, 1>(q, D, kb, out_scores, padded_keys); break;
+        case 2: score_blocks<2, 1>(q, D, kb, out_scores, padded_keys); break;
+        case 3: score_blocks<3, 1>(q, D, kb, out_scores, padded_keys); break;
+        case 4: score_blocks<4, 1>(q, D, kb, out_scores, padded_keys); break;
+        case 5: score_blocks<5, 1>(q, D, kb, out_scores, padded_keys); break;
+        case 6: score_blocks<6, 1>(q, D, kb, out_scores, padded_keys); break;
+        case 7: score_blocks<7, 1>(q, D, kb, out_scores, padded_keys); break;
+        default: break;
+      }
+    }
+  }
+#endif
+
+  // Softmax of row r over its visible keys [0, visible); the rest become 0. With an int8
+  // cache the raw dot products are scaled by each key's scale first, and each probability
+  // is scaled by its value's scale after, so the V pass can use the int8 rows as they are.
   void softmax_row(int64_t r, int64_t visible) {
     float* row = scores + r * padded_keys;
+    if (key_scales != nullptr)
+      for (int64_t t = 0; t < visible; ++t) row[t] *= key_scales[t];
     for (int64_t t = visible; t < padded_keys; ++t) row[t] = kNegInf;
     float max_score = kNegInf;
     for (int64_t t = 0; t < visible; ++t) max_score = std::max(max_score, row[t]);
@@ -182,45 +237,57 @@ struct Item {
       total += row[t];
     }
     const float inv = 1.f / total;
-    for (int64_t i = 0; i < visible; ++i) row[i] *= inv;
+    if (value_scales != nullptr) {
+      for (int64_t i = 0; i < visible; ++i) row[i] *= inv * value_scales[i];
+    } else {
+      for (int64_t i = 0; i < visible; ++i) row[i] *= inv;
+    }
   }
 
   void accumulate_values() {
-    const int64_t D = shape.head_dim;
+    const int64_t D = shape.head_dim, bs = shape.block_size;
+    const int64_t row_stride = shape.num_kv_heads * D;  // V rows of one head within a block
 #if defined(__AVX512F__)
     if (D == 64 || D == 128) {
-      auto row_of = [this](int64_t t) {
-        // Value rows of the block kPrefetchBlocks ahead (see compute_scores).
-        const int64_t ahead = t + kPrefetchBlocks * shape.block_size;
-        if (ahead < num_keys)
-          prefetch(value_row(ahead), shape.head_dim * static_cast<int64_t>(sizeof(kv_t)));
-        return value_row(t);
+      auto block_rows = [this, bs, row_stride](int64_t b) {
+        // Value rows of the block kPrefetchBlocks ahead (see prefetch_key_blocks).
+        if ((b + kPrefetchBlocks) * bs < num_keys) {
+          const kv_t* ahead = value_block(b + kPrefetchBlocks);
+          const int64_t bytes = shape.head_dim * static_cast<int64_t>(sizeof(kv_t));
+          for (int64_t i = 0; i < bs; ++i) prefetch(ahead + i * row_stride, bytes);
+        }
+        return value_block(b);
       };
       // Rows per pass keep NR * CH accumulators (plus CH value vectors) in registers.
-      const int64_t per_pass = D == 64 ? 4 : 2;
+      const int64_t per_pass = D == 64 ? 6 : 2;
       for (int64_t r = 0; r < rows; r += per_pass) {
         const int64_t nr = std::min(per_pass, rows - r);
         const float* p = scores + r * padded_keys;
         float* o = out + r * D;
+#define INFLIGHT_WEIGH(NR, CH) \
+  weigh_values<NR, CH, kv_t>(p, padded_keys, num_keys, bs, block_rows, row_stride, o, D)
         if (D == 64) {
           switch (nr) {
-            case 1: weigh_values<1, 4, kv_t>(p, padded_keys, num_keys, row_of, o, D); break;
-            case 2: weigh_values<2, 4, kv_t>(p, padded_keys, num_keys, row_of, o, D); break;
-            case 3: weigh_values<3, 4, kv_t>(p, padded_keys, num_keys, row_of, o, D); break;
-            default: weigh_values<4, 4, kv_t>(p, padded_keys, num_keys, row_of, o, D); break;
+            case 1: INFLIGHT_WEIGH(1, 4); break;
+            case 2: INFLIGHT_WEIGH(2, 4); break;
+            case 3: INFLIGHT_WEIGH(3, 4); break;
+            case 4: INFLIGHT_WEIGH(4, 4); break;
+            case 5: INFLIGHT_WEIGH(5, 4); break;
+            default: INFLIGHT_WEIGH(6, 4); break;
           }
         } else if (nr == 1) {
-          weigh_values<1, 8, kv_t>(p, padded_keys, num_keys, row_of, o, D);
+          INFLIGHT_WEIGH(1, 8);
         } else {
-          weigh_values<2, 8, kv_t>(p, padded_keys, num_keys, row_of, o, D);
+          INFLIGHT_WEIGH(2, 8);
         }
+#undef INFLIGHT_WEIGH
       }
       return;
     }
 #endif
     std::fill(out, out + rows * D, 0.f);
     for (int64_t t = 0; t < num_keys; ++t) {
-      const kv_t* v = value_row(t);
+      const kv_t* v = value_block(t / bs) + (t % bs) * row_stride;
       for (int64_t r = 0; r < rows; ++r) {
         const float p = scores[r * padded_keys + t];
         if (p == 0.f) continue;
@@ -233,7 +300,8 @@ struct Item {
 template <typename kv_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start,
-            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+            const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& k_scale,
+            const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
   const Shape shape{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2),
                     k_cache.size(3), block_tables.size(1)};
   const float* q_ptr = q.data_ptr<float>();
@@ -244,18 +312,37 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t D = shape.head_dim, G = shape.group;
 
   std::vector<WorkItem> items;
+  std::vector<int64_t> costs;  // query rows x keys seen, the item's share of the work
   for (int32_t s = 0; s < seq_lens.size(0); ++s) {
     const int32_t q_len = starts[s + 1] - starts[s];
     for (int32_t b = 0; b < q_len; b += kQueryTile) {
       const int32_t e = std::min<int32_t>(q_len, b + kQueryTile);
-      for (int32_t h = 0; h < shape.num_kv_heads; ++h) items.push_back({s, b, e, h});
+      const int64_t cost = static_cast<int64_t>(e - b) * (lens[s] - q_len + e);
+      for (int32_t h = 0; h < shape.num_kv_heads; ++h) {
+        items.push_back({s, b, e, h});
+        costs.push_back(cost);
+      }
     }
   }
+  // A step mixes decode tokens (cheap) with prompt-chunk tiles (up to 16x dearer), in
+  // sequence order. Contiguous static shares would give one thread all the prompt tiles:
+  // hand items out one by one instead, dearest first, so threads finish together.
+  std::vector<int32_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return costs[a] > costs[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries, scores, result;
-    for (int64_t w = begin; w < end; ++w) {
-      const WorkItem it = items[w];
+  // int8 caches: [num_blocks, KVH, block_size] scales, gathered per item into key order.
+  const float* k_scale_ptr = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
+  const float* v_scale_ptr = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
+
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> queries, scores, result, key_scales, value_scales;
+    for (int64_t w = next++; w < num_items; w = next++) {
+      const WorkItem it = items[order[w]];
       const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
       const int64_t first_pos = lens[it.seq] - q_len;  // position of query 0
       const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
@@ -272,9 +359,24 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float* src = q_ptr + token_head(r) * D;
         for (int64_t d = 0; d < D; ++d) queries[r * D + d] = src[d] * static_cast<float>(scale);
       }
-      Item<kv_t> item{shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(),
-                      tables + static_cast<int64_t>(it.seq) * shape.max_blocks, it.kv_head,
-                      rows, num_keys, padded, queries.data(), scores.data(), result.data()};
+      const int32_t* table = tables + static_cast<int64_t>(it.seq) * shape.max_blocks;
+      const float* item_key_scales = nullptr;
+      const float* item_value_scales = nullptr;
+      if (k_scale_ptr != nullptr) {
+        key_scales.resize(padded);
+        value_scales.resize(padded);
+        const int64_t bs = shape.block_size;
+        for (int64_t b = 0; b * bs < num_keys; ++b) {
+          const int64_t at = (static_cast<int64_t>(table[b]) * shape.num_kv_heads + it.kv_head) * bs;
+          std::memcpy(key_scales.data() + b * bs, k_scale_ptr + at, bs * sizeof(float));
+          std::memcpy(value_scales.data() + b * bs, v_scale_ptr + at, bs * sizeof(float));
+        }
+        item_key_scales = key_scales.data();
+        item_value_scales = value_scales.data();
+      }
+      Item<kv_t> item{shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(), table,
+                      it.kv_head, rows, num_keys, padded, queries.data(), scores.data(),
+                      result.data(), item_key_scales, item_value_scales};
       item.compute_scores();
       for (int64_t r = 0; r < rows; ++r) item.softmax_row(r, first_pos + it.q_begin + r / G + 1);
       item.accumulate_values();
@@ -287,7 +389,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
-                           double scale) {
+                           double scale, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [T, H, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() &&
@@ -304,12 +407,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "block_tables, query_start and seq_lens must be int32");
   auto out = at::empty_like(q);
   auto tables = block_tables.contiguous();
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()),
+              "an int8 KV cache needs k_scale and v_scale, other dtypes none");
+  if (int8) {
+    for (const at::Tensor* sc : {&*k_scale, &*v_scale})
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                      sc->size(0) == k_cache.size(0) && sc->size(1) == k_cache.size(1) &&
+                      sc->size(2) == k_cache.size(3),
+                  "KV scales must be contiguous float32 [num_blocks, KVH, block_size]");
+  }
   if (k_cache.scalar_type() == at::kFloat) {
-    attend<float>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, out);
+    attend<float>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale, v_scale, out);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
-    attend<at::BFloat16>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, out);
+    attend<at::BFloat16>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale,
+                         v_scale, out);
+  } else if (int8) {
+    attend<int8_t>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale, v_scale,
+                   out);
   } else {
-    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+    TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16 or int8");
   }
   return out;
 }
@@ -319,6 +436,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 TORCH_LIBRARY(inflight, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor query_start, Tensor seq_lens, float scale) -> Tensor");
+      "Tensor query_start, Tensor seq_lens, float scale, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }

@@ -14,6 +14,7 @@
 namespace inflight_vec {
 
 inline float load(float x) { return x; }
+inline float load(int8_t x) { return static_cast<float>(x); }  // int8 KV: times its scale
 inline float load(at::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -27,6 +28,10 @@ inline T store(float x) { return static_cast<T>(x); }
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+}
 inline __m512 load16(const at::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
