@@ -61,7 +61,8 @@ def paged_attention(
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See csrc/paged_attention.cpp for shapes; q and the result are float32. ``k_scale``
+    """See csrc/paged_attention.cpp for shapes; q and the result are float32 or bfloat16
+    (computed in float32). ``k_scale``
     and ``v_scale`` come with (and only with) an int8 cache."""
     return torch.ops.inflight.paged_attention(
         q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, k_scale, v_scale

@@ -143,3 +143,19 @@ def test_prompt_chunks_go_to_the_varlen_kernel_only_when_short():
 
     assert isinstance(prefill_group([5, 300, 40]), VarlenGroup)
     assert isinstance(prefill_group([VARLEN_PREFILL_MAX_CHUNK + 1, 40]), PaddedGroup)
+
+
+def test_kernel_takes_bfloat16_queries_as_their_float32_values():
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    step, q, k_new, v_new, k_cache, v_cache, _, _ = make_step(0, torch.bfloat16, 16)
+    inputs = build_model_inputs(step, 16, torch.device("cpu"), varlen_decode=True,
+                                varlen_prefill=True)
+    write_kv(k_cache, v_cache, k_new, v_new, inputs.attention)
+    group = inputs.attention.decode if inputs.attention.prefill is None else None
+    assert group is None  # a mixed step: decode and prefill groups, one kernel call each
+    q16 = q.to(torch.bfloat16)
+    out16 = paged_attention(q16, k_new, v_new, k_cache, v_cache, inputs.attention, 0.125)
+    out32 = paged_attention(q16.float(), k_new, v_new, k_cache, v_cache, inputs.attention, 0.125)
+    assert out16.dtype == torch.bfloat16
+    assert torch.equal(out16, out32.to(torch.bfloat16))

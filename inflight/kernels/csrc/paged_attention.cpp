@@ -1,7 +1,7 @@
 // Varlen paged attention for the CPU: one call per layer for every sequence in a step,
 // prompt chunks and decode tokens alike, reading K/V in place through block tables.
 //
-//   q:            [T, H, D]   float32, the step's query tokens, sequence after sequence
+//   q:            [T, H, D]   float32 or bfloat16, the step's query tokens, sequence after sequence
 //   k_cache:      [num_blocks, KVH, D, block_size]   float32, bfloat16 or int8 (keys transposed)
 //   v_cache:      [num_blocks, block_size, KVH, D]   same dtype
 //   k_scale, v_scale: [num_blocks, KVH, block_size] float32, only with int8 caches: the
@@ -9,7 +9,7 @@
 //   block_tables: [S, max_blocks] int32
 //   query_start:  [S + 1] int32   tokens of sequence s are q[query_start[s] : query_start[s+1]]
 //   seq_lens:     [S] int32       context length of s after this step (cached + new)
-//   returns:      [T, H, D] float32
+//   returns:      [T, H, D] in q's dtype (float32 or bfloat16; computed in float32)
 //
 // Query i of sequence s sits at position seq_lens[s] - q_len + i and sees keys 0..position
 // (causal over the cached prefix and the chunk). Work is split into (sequence, query tile,
@@ -30,6 +30,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -119,8 +120,22 @@ struct Item {
   const float* queries;  // [rows, D], already scaled
   float* scores;         // [rows, padded_keys]
   float* out;            // [rows, D]
-  const float* key_scales;    // int8 caches: [padded_keys] scale of each key, else null
-  const float* value_scales;  // same for the values
+  // int8 caches: the cache's [num_blocks, KVH, block_size] scales, and this item's copies
+  // in key order ([padded_keys], filled block by block as keys are scored); else null.
+  const float* k_scale_cache;
+  const float* v_scale_cache;
+  float* key_scales;
+  float* value_scales;
+
+  int64_t scale_offset(int64_t b) const {
+    return (static_cast<int64_t>(table[b]) * shape.num_kv_heads + kv_head) * shape.block_size;
+  }
+  void take_scales(int64_t b) {  // copy block b's scales (prefetched with its keys)
+    if (key_scales == nullptr) return;
+    const int64_t bs = shape.block_size, at = scale_offset(b);
+    std::memcpy(key_scales + b * bs, k_scale_cache + at, bs * sizeof(float));
+    std::memcpy(value_scales + b * bs, v_scale_cache + at, bs * sizeof(float));
+  }
 
   const kv_t* key_block(int64_t b) const {  // [D][block_size]
     const int64_t block = table[b];
@@ -149,6 +164,7 @@ struct Item {
     }
 #endif
     for (int64_t b = 0; b * bs < num_keys; ++b) {
+      take_scales(b);
       const kv_t* kb = key_block(b);
       for (int64_t r = 0; r < rows; ++r) {
         float* row = scores + r * padded_keys + b * bs;
@@ -167,7 +183,14 @@ struct Item {
   void prefetch_key_blocks(int64_t first, int64_t count) const {
     const int64_t bytes = shape.head_dim * shape.block_size * static_cast<int64_t>(sizeof(kv_t));
     const int64_t end = std::min(first + count, num_key_blocks());
-    for (int64_t b = first; b < end; ++b) prefetch(key_block(b), bytes);
+    for (int64_t b = first; b < end; ++b) {
+      prefetch(key_block(b), bytes);
+      if (key_scales != nullptr) {
+        const int64_t scale_bytes = shape.block_size * static_cast<int64_t>(sizeof(float));
+        prefetch(k_scale_cache + scale_offset(b), scale_bytes);
+        prefetch(v_scale_cache + scale_offset(b), scale_bytes);
+      }
+    }
   }
 
   template <int NR, int NB>
@@ -177,10 +200,14 @@ struct Item {
     for (; b + NB <= blocks; b += NB) {
       prefetch_key_blocks(b + std::max<int64_t>(NB, kPrefetchBlocks), NB);
       const kv_t* kb[NB];
-      for (int j = 0; j < NB; ++j) kb[j] = key_block(b + j);
+      for (int j = 0; j < NB; ++j) {
+        kb[j] = key_block(b + j);
+        take_scales(b + j);
+      }
       score_blocks<NR, NB>(queries, D, kb, scores + b * 16, padded_keys);
     }
     for (; b < blocks; ++b) {
+      take_scales(b);
       const kv_t* kb[1] = {key_block(b)};
       score_blocks<NR, 1>(queries, D, kb, scores + b * 16, padded_keys);
     }
@@ -190,6 +217,7 @@ struct Item {
     const int64_t D = shape.head_dim;
     for (int64_t b = 0; b < num_key_blocks(); ++b) {
       prefetch_key_blocks(b + kPrefetchBlocks, 1);
+      take_scales(b);
       const kv_t* kb[1] = {key_block(b)};
       int64_t r = 0;
       for (; r + 8 <= rows; r += 8)
@@ -297,18 +325,32 @@ struct Item {
   }
 };
 
-template <typename kv_t>
+// One output row, rounded to the query's dtype (bfloat16: as .to(torch.bfloat16) would).
+template <typename T>
+inline void store_row(const float* src, int64_t D, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, D * sizeof(float));
+  } else {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16) store16(dst + d, _mm512_loadu_ps(src + d));
+#endif
+    for (; d < D; ++d) dst[d] = store<T>(src[d]);
+  }
+}
+
+template <typename kv_t, typename q_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start,
             const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& k_scale,
             const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
   const Shape shape{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2),
                     k_cache.size(3), block_tables.size(1)};
-  const float* q_ptr = q.data_ptr<float>();
+  const q_t* q_ptr = q.data_ptr<q_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_start.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
+  q_t* out_ptr = out.data_ptr<q_t>();
   const int64_t D = shape.head_dim, G = shape.group;
 
   std::vector<WorkItem> items;
@@ -356,32 +398,24 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       scores.resize(rows * padded);
       result.resize(rows * D);
       for (int64_t r = 0; r < rows; ++r) {
-        const float* src = q_ptr + token_head(r) * D;
-        for (int64_t d = 0; d < D; ++d) queries[r * D + d] = src[d] * static_cast<float>(scale);
+        const q_t* src = q_ptr + token_head(r) * D;
+        for (int64_t d = 0; d < D; ++d) queries[r * D + d] = load(src[d]) * static_cast<float>(scale);
       }
       const int32_t* table = tables + static_cast<int64_t>(it.seq) * shape.max_blocks;
-      const float* item_key_scales = nullptr;
-      const float* item_value_scales = nullptr;
-      if (k_scale_ptr != nullptr) {
+      const bool int8 = k_scale_ptr != nullptr;
+      if (int8) {
         key_scales.resize(padded);
         value_scales.resize(padded);
-        const int64_t bs = shape.block_size;
-        for (int64_t b = 0; b * bs < num_keys; ++b) {
-          const int64_t at = (static_cast<int64_t>(table[b]) * shape.num_kv_heads + it.kv_head) * bs;
-          std::memcpy(key_scales.data() + b * bs, k_scale_ptr + at, bs * sizeof(float));
-          std::memcpy(value_scales.data() + b * bs, v_scale_ptr + at, bs * sizeof(float));
-        }
-        item_key_scales = key_scales.data();
-        item_value_scales = value_scales.data();
       }
       Item<kv_t> item{shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(), table,
                       it.kv_head, rows, num_keys, padded, queries.data(), scores.data(),
-                      result.data(), item_key_scales, item_value_scales};
+                      result.data(), k_scale_ptr, v_scale_ptr,
+                      int8 ? key_scales.data() : nullptr, int8 ? value_scales.data() : nullptr};
       item.compute_scores();
       for (int64_t r = 0; r < rows; ++r) item.softmax_row(r, first_pos + it.q_begin + r / G + 1);
       item.accumulate_values();
       for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(out_ptr + token_head(r) * D, result.data() + r * D, D * sizeof(float));
+        store_row(result.data() + r * D, D, out_ptr + token_head(r) * D);
     }
   });
 }
@@ -391,8 +425,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            double scale, const std::optional<at::Tensor>& k_scale,
                            const std::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "q must be a contiguous float32 [T, H, D] tensor");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "q must be a contiguous float32 or bfloat16 [T, H, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "caches must be contiguous: K [blocks, KVH, D, bs], V [blocks, bs, KVH, D]");
@@ -417,14 +452,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                       sc->size(2) == k_cache.size(3),
                   "KV scales must be contiguous float32 [num_blocks, KVH, block_size]");
   }
+  auto run = [&](auto kv_zero) {
+    using kv_t = decltype(kv_zero);
+    if (q.scalar_type() == at::kFloat) {
+      attend<kv_t, float>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale,
+                          v_scale, out);
+    } else {
+      attend<kv_t, at::BFloat16>(q, k_cache, v_cache, tables, query_start, seq_lens, scale,
+                                 k_scale, v_scale, out);
+    }
+  };
   if (k_cache.scalar_type() == at::kFloat) {
-    attend<float>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale, v_scale, out);
+    run(float{});
   } else if (k_cache.scalar_type() == at::kBFloat16) {
-    attend<at::BFloat16>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale,
-                         v_scale, out);
+    run(at::BFloat16{});
   } else if (int8) {
-    attend<int8_t>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale, v_scale,
-                   out);
+    run(int8_t{});
   } else {
     TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16 or int8");
   }
