@@ -8,10 +8,12 @@ contiguous run (a prompt chunk or a single decode token)::
     seq_lens:        context length of each sequence *after* this step's tokens
     slot_mapping[t]: block_table[pos_t // block_size] * block_size + pos_t % block_size
 
-Sequences are served in two groups so that decode tokens never pay for the padding of a
+Sequences are served in groups so that decode tokens never pay for the padding of a
 long prompt chunk: decode tokens go to the varlen kernel (:class:`VarlenGroup`) when the
-C++ backend is available, prompt chunks to padded scaled-dot-product attention
-(:class:`PaddedGroup`).
+C++ backend is available; prompt chunks that start their sequence to PyTorch's
+scaled-dot-product attention one prompt at a time inside one C++ call
+(:class:`PromptGroup`); other prompt chunks to the varlen kernel or to padded
+scaled-dot-product attention (:class:`PaddedGroup`).
 """
 
 from __future__ import annotations
@@ -50,9 +52,18 @@ class VarlenGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptGroup:
+    """Fresh prompt chunks (position 0 onwards): causal attention over their own tokens."""
+
+    starts: torch.Tensor  # [S] int64 flat index of each chunk's first token
+    lengths: torch.Tensor  # [S] int64
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     slot_block: torch.Tensor  # [T] int64: slot_mapping // block_size
     slot_offset: torch.Tensor  # [T] int64: slot_mapping % block_size
     decode: PaddedGroup | VarlenGroup | None
     prefill: PaddedGroup | VarlenGroup | None
+    prompts: PromptGroup | None = None

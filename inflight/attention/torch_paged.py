@@ -64,10 +64,13 @@ def paged_attention(
     """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens, already written to the
     caches (:func:`write_kv`). Returns [T, H, D]."""
     scales = (k_scale, v_scale)
-    only = metadata.decode if metadata.prefill is None else None
+    only = metadata.decode if metadata.prefill is None and metadata.prompts is None else None
     if isinstance(only, VarlenGroup) and only.token_index is None:
         return _varlen(q, k_cache, v_cache, only, scale, scales)  # the common decode-only step
     out = torch.empty_like(q)
+    if metadata.prompts is not None:
+        prompts = metadata.prompts
+        cpu_kernels.prompt_attention(q, k, v, prompts.starts, prompts.lengths, scale, out)
     for group in (metadata.decode, metadata.prefill):
         if isinstance(group, VarlenGroup):
             _attend_varlen(q, k_cache, v_cache, group, scale, scales, out)

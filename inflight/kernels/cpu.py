@@ -1,6 +1,6 @@
 """The C++ CPU kernels: built on first use, cached by torch.
 
-``csrc/*.cpp`` (paged attention, GGUF block matmul, fused layer ops) are compiled together with
+``csrc/*.cpp`` (paged attention, prompt attention, GGUF block matmul, fused layer ops) are compiled together with
 ``torch.utils.cpp_extension`` (g++ and ninja) into torch's extension cache, once per
 source version; ``scripts/bootstrap.sh`` builds them at install time so the first engine
 start does not pay for it. If the build fails (no compiler), :func:`available` says so and
@@ -67,6 +67,15 @@ def paged_attention(
     return torch.ops.inflight.paged_attention(
         q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, k_scale, v_scale
     )
+
+
+def prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+    lengths: torch.Tensor, scale: float, out: torch.Tensor,
+) -> None:
+    """Causal self-attention of fresh prompt chunks (see csrc/prompt_attention.cpp): rows
+    ``starts[s] : starts[s] + lengths[s]`` of ``out`` get prompt s's attention output."""
+    torch.ops.inflight.prompt_attention(q, k, v, starts, lengths, scale, out)
 
 
 @cache

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inflight.attention.metadata import AttentionMetadata, PaddedGroup, VarlenGroup
+from inflight.attention.metadata import (
+    AttentionMetadata,
+    PaddedGroup,
+    PromptGroup,
+    VarlenGroup,
+)
 from inflight.core.interface import ScheduledRequest, SchedulerOutput
 
 
@@ -47,6 +52,17 @@ def build_model_inputs(
 
     is_decode = lengths == 1
     prefill = np.nonzero(~is_decode)[0]
+    prompts = None
+    if varlen_decode and not varlen_prefill:
+        # Chunks that start their prompt attend only to themselves: PyTorch's SDPA, one
+        # prompt at a time in one C++ call (see kernels/csrc/prompt_attention.cpp).
+        fresh = prefill[starts[prefill] == 0]
+        if len(fresh):
+            prompts = PromptGroup(
+                starts=torch.from_numpy(query_start[fresh]).to(device),
+                lengths=torch.from_numpy(lengths[fresh]).to(device),
+            )
+            prefill = prefill[starts[prefill] > 0]
     groups: dict[str, PaddedGroup | VarlenGroup | None] = {}
     for name, chosen, varlen in (
         ("decode", np.nonzero(is_decode)[0], varlen_decode),
@@ -80,17 +96,19 @@ def build_model_inputs(
             slot_offset=to_device(positions % block_size),
             decode=groups["decode"],
             prefill=groups["prefill"],
+            prompts=prompts,
         ),
         logits_indices=to_device(logits_indices),
         sampled=sampled,
     )
 
 
-# Prompt chunks: PyTorch's flash SDPA is the faster kernel on long chunks, the C++ varlen
-# kernel on short ones, where SDPA's padding of a dozen prompts of different lengths to
-# the longest costs more than its speed gains. Measured: `mixed` (chunks of 50-600
-# tokens) took 104 s with SDPA and 90 s with varlen; 8 prompts of 2000 tokens took 12.8 s
-# with SDPA and 19.4 s with varlen.
+# Prompt chunks that continue a prompt (chunked prefill): PyTorch's flash SDPA over the
+# gathered context is the faster kernel on long chunks, the C++ varlen kernel on short
+# ones, where SDPA's padding of a dozen prompts of different lengths to the longest costs
+# more than its speed gains. Measured when every prompt chunk went this way: `mixed`
+# (chunks of 50-600 tokens) took 104 s with SDPA and 90 s with varlen; 8 prompts of 2000
+# tokens took 12.8 s with SDPA and 19.4 s with varlen.
 VARLEN_PREFILL_MAX_CHUNK = 1024
 
 

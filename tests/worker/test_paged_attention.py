@@ -34,8 +34,9 @@ def make_step(seed: int, kv_dtype: torch.dtype, block_size: int):
     """A random mixed step: (cached prefix, new chunk) per sequence, blocks shuffled."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    shapes = [(rng.randrange(0, 40), 1) for _ in range(4)] + [
-        (rng.randrange(0, 30), rng.randrange(2, 37)) for _ in range(3)
+    # decode tokens, a fresh prompt (nothing cached) and two continued prompt chunks
+    shapes = [(rng.randrange(0, 40), 1) for _ in range(4)] + [(0, rng.randrange(2, 37))] + [
+        (rng.randrange(1, 30), rng.randrange(2, 37)) for _ in range(2)
     ]
     rng.shuffle(shapes)
     free_blocks = list(range(NUM_BLOCKS))
@@ -122,27 +123,52 @@ def test_paged_attention_matches_dense(backend, kv_dtype, block_size, seed):
         offset += new
 
 
-def test_prompt_chunks_go_to_the_varlen_kernel_only_when_short():
+def test_prompt_chunks_are_routed_by_start_and_length():
     from inflight.attention.metadata import PaddedGroup, VarlenGroup
     from inflight.worker.input_batch import VARLEN_PREFILL_MAX_CHUNK
 
-    def prefill_group(lengths):
+    def attention(chunks):  # (start_position, length) per sequence
         scheduled = [
             ScheduledRequest(
-                request_id=str(i), token_ids=[0] * n, start_position=0,
-                block_ids=list(range(100 * i, 100 * i + -(-n // 16))), sample=True,
+                request_id=str(i), token_ids=[0] * n, start_position=start,
+                block_ids=list(range(100 * i, 100 * i + -(-(start + n) // 16))), sample=True,
                 is_prefill=True, sampling_params=SamplingParams(), slot=i,
             )
-            for i, n in enumerate(lengths)
+            for i, (start, n) in enumerate(chunks)
         ]
         inputs = build_model_inputs(
             SchedulerOutput(step_id=0, scheduled=scheduled), 16, torch.device("cpu"),
             varlen_decode=True,
         )
-        return inputs.attention.prefill
+        return inputs.attention
 
-    assert isinstance(prefill_group([5, 300, 40]), VarlenGroup)
-    assert isinstance(prefill_group([VARLEN_PREFILL_MAX_CHUNK + 1, 40]), PaddedGroup)
+    # fresh prompts: the per-prompt SDPA group, whatever their length
+    fresh = attention([(0, 5), (0, VARLEN_PREFILL_MAX_CHUNK + 1), (0, 40)])
+    assert fresh.prefill is None and fresh.prompts is not None
+    assert fresh.prompts.starts.tolist() == [0, 5, VARLEN_PREFILL_MAX_CHUNK + 6]
+    assert fresh.prompts.lengths.tolist() == [5, VARLEN_PREFILL_MAX_CHUNK + 1, 40]
+    # continued chunks: the varlen kernel when all are short, padded SDPA otherwise
+    mixed = attention([(0, 5), (64, 300), (16, 40)])
+    assert mixed.prompts.starts.tolist() == [0]
+    assert isinstance(mixed.prefill, VarlenGroup)
+    assert isinstance(attention([(32, VARLEN_PREFILL_MAX_CHUNK + 1), (16, 40)]).prefill, PaddedGroup)
+
+
+def test_prompt_attention_matches_dense_in_a_mixed_step():
+    """Fresh prompts through the per-prompt SDPA call, next to decode tokens and a continued
+    chunk in the same step, all against the dense reference."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    step, q, k_new, v_new, k_cache, v_cache, _, per_seq = make_step(1, torch.float32, 16)
+    inputs = build_model_inputs(step, 16, torch.device("cpu"), varlen_decode=True)
+    assert inputs.attention.prompts is not None  # make_step has a fresh prompt
+    write_kv(k_cache, v_cache, k_new, v_new, inputs.attention)
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, inputs.attention, 0.125)
+    offset = 0
+    for k_all, v_all, total, new in per_seq:
+        expected = dense_reference(q[offset : offset + new], k_all, v_all, total, 0.125)
+        torch.testing.assert_close(out[offset : offset + new], expected, atol=1e-5, rtol=1e-5)
+        offset += new
 
 
 def test_kernel_takes_bfloat16_queries_as_their_float32_values():
