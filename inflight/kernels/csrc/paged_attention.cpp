@@ -56,7 +56,8 @@ struct WorkItem {
   int32_t seq;
   int32_t q_begin;  // first query of the tile, as an offset within the sequence
   int32_t q_end;
-  int32_t kv_head;
+  int32_t kv_head_begin;  // KV heads done one after the other by this item
+  int32_t kv_head_end;
 };
 
 // ---------------------------------------------------------------- vector helpers (AVX-512)
@@ -360,8 +361,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     for (int32_t b = 0; b < q_len; b += kQueryTile) {
       const int32_t e = std::min<int32_t>(q_len, b + kQueryTile);
       const int64_t cost = static_cast<int64_t>(e - b) * (lens[s] - q_len + e);
+      if (q_len == 1) {
+        // A decode token: all KV heads in one item, one after the other, so the cache
+        // lines of a block (its heads sit side by side) are read by one core in order.
+        items.push_back({s, b, e, 0, static_cast<int32_t>(shape.num_kv_heads)});
+        costs.push_back(cost * shape.num_kv_heads);
+        continue;
+      }
       for (int32_t h = 0; h < shape.num_kv_heads; ++h) {
-        items.push_back({s, b, e, h});
+        items.push_back({s, b, e, h, h + 1});
         costs.push_back(cost);
       }
     }
@@ -385,37 +393,39 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<float> queries, scores, result, key_scales, value_scales;
     for (int64_t w = next++; w < num_items; w = next++) {
       const WorkItem it = items[order[w]];
-      const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
-      const int64_t first_pos = lens[it.seq] - q_len;  // position of query 0
-      const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
-      const int64_t num_keys = first_pos + it.q_end;
-      const int64_t padded = (num_keys + shape.block_size - 1) / shape.block_size * shape.block_size;
-      auto token_head = [&](int64_t r) {  // row r = (query in tile, head in group)
-        const int64_t token = starts[it.seq] + it.q_begin + r / G;
-        return token * shape.num_heads + it.kv_head * G + r % G;
-      };
-      queries.resize(rows * D);
-      scores.resize(rows * padded);
-      result.resize(rows * D);
-      for (int64_t r = 0; r < rows; ++r) {
-        const q_t* src = q_ptr + token_head(r) * D;
-        for (int64_t d = 0; d < D; ++d) queries[r * D + d] = load(src[d]) * static_cast<float>(scale);
+      for (int64_t kv_head = it.kv_head_begin; kv_head < it.kv_head_end; ++kv_head) {
+        const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
+        const int64_t first_pos = lens[it.seq] - q_len;  // position of query 0
+        const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
+        const int64_t num_keys = first_pos + it.q_end;
+        const int64_t padded = (num_keys + shape.block_size - 1) / shape.block_size * shape.block_size;
+        auto token_head = [&](int64_t r) {  // row r = (query in tile, head in group)
+          const int64_t token = starts[it.seq] + it.q_begin + r / G;
+          return token * shape.num_heads + kv_head * G + r % G;
+        };
+        queries.resize(rows * D);
+        scores.resize(rows * padded);
+        result.resize(rows * D);
+        for (int64_t r = 0; r < rows; ++r) {
+          const q_t* src = q_ptr + token_head(r) * D;
+          for (int64_t d = 0; d < D; ++d) queries[r * D + d] = load(src[d]) * static_cast<float>(scale);
+        }
+        const int32_t* table = tables + static_cast<int64_t>(it.seq) * shape.max_blocks;
+        const bool int8 = k_scale_ptr != nullptr;
+        if (int8) {
+          key_scales.resize(padded);
+          value_scales.resize(padded);
+        }
+        Item<kv_t> item{shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(), table,
+                        kv_head, rows, num_keys, padded, queries.data(), scores.data(),
+                        result.data(), k_scale_ptr, v_scale_ptr,
+                        int8 ? key_scales.data() : nullptr, int8 ? value_scales.data() : nullptr};
+        item.compute_scores();
+        for (int64_t r = 0; r < rows; ++r) item.softmax_row(r, first_pos + it.q_begin + r / G + 1);
+        item.accumulate_values();
+        for (int64_t r = 0; r < rows; ++r)
+          store_row(result.data() + r * D, D, out_ptr + token_head(r) * D);
       }
-      const int32_t* table = tables + static_cast<int64_t>(it.seq) * shape.max_blocks;
-      const bool int8 = k_scale_ptr != nullptr;
-      if (int8) {
-        key_scales.resize(padded);
-        value_scales.resize(padded);
-      }
-      Item<kv_t> item{shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(), table,
-                      it.kv_head, rows, num_keys, padded, queries.data(), scores.data(),
-                      result.data(), k_scale_ptr, v_scale_ptr,
-                      int8 ? key_scales.data() : nullptr, int8 ? value_scales.data() : nullptr};
-      item.compute_scores();
-      for (int64_t r = 0; r < rows; ++r) item.softmax_row(r, first_pos + it.q_begin + r / G + 1);
-      item.accumulate_values();
-      for (int64_t r = 0; r < rows; ++r)
-        store_row(result.data() + r * D, D, out_ptr + token_head(r) * D);
     }
   });
 }
