@@ -3,8 +3,9 @@
     python -m inflight.bench.block_matmul [--model PATH] [--rows 1 2 4 8 16 32 64]
 
 For each batch size M (tokens in a step) it times one pass over every linear layer of the
-model (the weights streamed once, as in a real step) three ways: the GGUF block kernel,
-dense float32 and dense bfloat16 matmuls. ``worker/device.py``'s ``BLOCK_MATMUL_MAX_ROWS``
+model (the weights streamed once, as in a real step) four ways: the GGUF block kernel,
+dense float32 and dense bfloat16 matmuls, and bfloat16 through oneDNN's pre-packed
+weights (what the engine runs for bfloat16 steps on the CPU). ``worker/device.py``'s ``BLOCK_MATMUL_MAX_ROWS``
 is the largest M at which the block kernel is still the faster choice for each dtype.
 """
 
@@ -46,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is not None]
     dense32 = [m.weight for m in layers]
     dense16 = [w.bfloat16() for w in dense32]
+    packed16 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in dense16]
     print(f"{len(layers)} linear layers; times in ms per pass over all of them")
-    print(f"{'rows':>5} {'blocks':>8} {'fp32':>8} {'bf16':>8}")
+    print(f"{'rows':>5} {'blocks':>8} {'fp32':>8} {'bf16':>8} {'packed':>8}")
     with torch.inference_mode():
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in dense32}}
@@ -57,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             fp32 = _time_ms(lambda x=inputs: [x[w.shape[1]] @ w.T for w in dense32], args.repeats)
             bf16 = _time_ms(lambda x=inputs16: [x[w.shape[1]] @ w.T for w in dense16], args.repeats)
-            print(f"{rows:>5} {blocks:>8.1f} {fp32:>8.1f} {bf16:>8.1f}")
+            packed = _time_ms(
+                lambda x=inputs16: [
+                    torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+                    for w, p in zip(dense16, packed16, strict=True)
+                ],
+                args.repeats,
+            )
+            print(f"{rows:>5} {blocks:>8.1f} {fp32:>8.1f} {bf16:>8.1f} {packed:>8.1f}")
     return 0
 
 

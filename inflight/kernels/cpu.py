@@ -99,9 +99,13 @@ def gguf_matmul(x: torch.Tensor, packed: torch.Tensor, ggml_type: int) -> torch.
     return torch.ops.inflight.gguf_matmul(x, packed, ggml_type)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` for float32 ``x [T, hidden]``."""
-    return torch.ops.inflight.rms_norm(x, weight, eps, dtype)
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` for float32 ``x [T, hidden]``;
+    with ``add``, ``x += add`` first, in place."""
+    return torch.ops.inflight.rms_norm(x, weight, eps, dtype, add)
 
 
 def rope_write_kv(

@@ -92,9 +92,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False  # one C++ call instead of eight ops (see use_cpu_kernels)
 
-    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, dtype: torch.dtype | None = None, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Normalise ``x``; with ``add``, first ``x += add`` in place (the residual stream
+        taking a sublayer's output, fused into the same pass on the CPU)."""
         if self.fused:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps, dtype or self.weight.dtype)
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, dtype or self.weight.dtype, add)
+        if add is not None:
+            x.add_(add)
         # Normalise in float32 as transformers does, then cast to the matmuls' input dtype
         # (the residual stream may be float32 while the matmuls run in bfloat16).
         x32 = x.float()
@@ -227,13 +233,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-        kv_cache: LayerKVCache, metadata: AttentionMetadata,
+        self, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
+        rotary: RotaryEmbedding, kv_cache: LayerKVCache, metadata: AttentionMetadata,
         act_dtype: torch.dtype,
     ) -> torch.Tensor:
-        h = self.input_layernorm(x, act_dtype)
-        x = x + self.self_attn(h, positions, rotary, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x, act_dtype))
+        """``x`` is the residual stream (float32), updated in place; ``pending`` is the
+        previous layer's MLP output, still to be added to it. Returns this layer's MLP
+        output, which the next layer's (or the final) norm adds."""
+        h = self.input_layernorm(x, act_dtype, add=pending)
+        attn = self.self_attn(h, positions, rotary, kv_cache, metadata)
+        return self.mlp(self.post_attention_layernorm(x, act_dtype, add=attn))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -263,10 +272,11 @@ class LlamaForCausalLM(nn.Module):
         float32's at almost no cost.
         """
         act_dtype = self.activation_dtype(input_ids.shape[0])
-        x = self.embed_tokens(input_ids).float()
+        x = self.embed_tokens(input_ids).float()  # a new tensor: the layers add into it
+        pending = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, metadata, act_dtype)
-        return self.norm(x, act_dtype)
+            pending = layer(x, pending, positions, self.rotary, kv_cache, metadata, act_dtype)
+        return self.norm(x, act_dtype, add=pending)
 
     def activation_dtype(self, num_tokens: int) -> torch.dtype:
         """The matmuls' input dtype for a step of ``num_tokens``: the weights' dtype, except

@@ -38,11 +38,12 @@ def pick_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 # Largest batch (tokens in a step) that reads GGUF blocks rather than dense weights, by the
-# dense weights' dtype: past it, dense matmuls (AMX for bfloat16) are faster. Measured with
-# `python -m inflight.bench.block_matmul` on SmolLM2 (one pass over all linear layers, 2
-# threads): blocks 11/17/32/65 ms at 1/8/16/32 rows, bfloat16 31/32/36/39 ms, float32
-# 29/78/82/99 ms.
-BLOCK_MATMUL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 32}
+# dense weights' dtype: past it, dense matmuls (AMX for bfloat16, through oneDNN's
+# pre-packed weights) are faster. Measured with `python -m inflight.bench.block_matmul` on
+# SmolLM2 (one pass over all linear layers, 2 threads): blocks 10/16/24/33/57 ms at
+# 1/8/12/16/32 rows, bfloat16 packed 21-22 ms at 1-16 rows and 26 at 32, float32
+# 30/76/81/77/83 ms.
+BLOCK_MATMUL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 8, torch.float16: 32}
 
 
 def block_matmul_rows(

@@ -39,6 +39,21 @@ def test_rms_norm(weight_dtype, out_dtype, tokens):
     assert_close(cpu.rms_norm(x, norm.weight, norm.eps, out_dtype), expected)
 
 
+@pytest.mark.parametrize("add_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_rms_norm_adds_into_the_residual_first(add_dtype, out_dtype):
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96) * 0.5 + 1
+    x = torch.randn(9, 96) * 3
+    add = torch.randn(9, 96).to(add_dtype)
+    residual_ref, residual = x.clone(), x.clone()
+    expected = norm(residual_ref, out_dtype, add=add)  # the PyTorch path: x.add_(add)
+    assert torch.equal(residual_ref, x + add)
+    actual = cpu.rms_norm(residual, norm.weight, norm.eps, out_dtype, add)
+    assert torch.equal(residual, residual_ref)  # the same float32 sum, in place
+    assert_close(actual, expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 def test_silu_mul(dtype, tokens):

@@ -4,7 +4,9 @@
 // for almost no arithmetic, and a layer written in plain PyTorch issues about forty of
 // them (RMSNorm alone is eight). These three replace all but the matmuls and attention:
 //
-//   rms_norm(x, weight, eps, dtype)      weight * (x / rms(x)) rounded as transformers does
+//   rms_norm(x, weight, eps, dtype, add) weight * (x / rms(x)) rounded as transformers does;
+//                                        with add, x += add first (in place: the residual
+//                                        stream takes the previous sublayer's output)
 //   rope_write_kv(qkv, positions, ...)   rotary embedding of q and k, K/V written to the
 //                                        paged cache; returns the rotated q and k
 //   silu_mul(gate_up)                    silu(gate) * up
@@ -30,11 +32,16 @@ namespace {
 using namespace inflight_vec;
 
 // ------------------------------------------------------------------------------ rms_norm
-template <typename w_t, typename round_t, typename out_t>
-void rms_norm_rows(const float* x, const w_t* w, float eps, out_t* out, int64_t T, int64_t H) {
+template <typename w_t, typename round_t, typename out_t, typename add_t>
+void rms_norm_rows(float* x, const add_t* add, const w_t* w, float eps, out_t* out, int64_t T,
+                   int64_t H) {
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* row = x + t * H;
+      float* row = x + t * H;
+      if (add != nullptr) {  // x + add in float32, as PyTorch promotes a bfloat16 add
+        const add_t* a = add + t * H;
+        for (int64_t i = 0; i < H; ++i) row[i] += load(a[i]);
+      }
       float sum_sq = 0.0f;
 #pragma omp simd reduction(+ : sum_sq)
       for (int64_t i = 0; i < H; ++i) sum_sq += row[i] * row[i];
@@ -48,8 +55,8 @@ void rms_norm_rows(const float* x, const w_t* w, float eps, out_t* out, int64_t 
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                    at::ScalarType dtype) {
+at::Tensor rms_norm(at::Tensor& x, const at::Tensor& weight, double eps, at::ScalarType dtype,
+                    const std::optional<at::Tensor>& add) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [T, hidden] tensor");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
@@ -58,22 +65,38 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
   const bool weight_f32 = weight.scalar_type() == at::kFloat;
   TORCH_CHECK(weight_f32 || weight.scalar_type() == at::kBFloat16,
               "weight must be float32 or bfloat16");
+  at::Tensor delta;
+  if (add.has_value()) {
+    delta = add->contiguous();
+    TORCH_CHECK(delta.sizes() == x.sizes() && (delta.scalar_type() == at::kFloat ||
+                                               delta.scalar_type() == at::kBFloat16),
+                "add must be a float32 or bfloat16 tensor shaped like x");
+  }
   // transformers: weight * x.to(dtype); a float32 weight times bfloat16 promotes to float32.
   const bool round_bf16 = dtype == at::kBFloat16;
   const at::ScalarType out_dtype = weight_f32 ? at::kFloat : dtype;
   auto out = at::empty(x.sizes(), x.options().dtype(out_dtype));
-  const float* xp = x.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
   const int64_t T = x.size(0), H = x.size(1);
   const float e = static_cast<float>(eps);
   using bf16 = at::BFloat16;
-  if (weight_f32 && !round_bf16) {
-    rms_norm_rows<float, float>(xp, weight.data_ptr<float>(), e, out.data_ptr<float>(), T, H);
-  } else if (weight_f32) {
-    rms_norm_rows<float, bf16>(xp, weight.data_ptr<float>(), e, out.data_ptr<float>(), T, H);
-  } else if (!round_bf16) {
-    rms_norm_rows<bf16, float>(xp, weight.data_ptr<bf16>(), e, out.data_ptr<float>(), T, H);
+  auto run = [&](auto add_zero) {
+    using add_t = decltype(add_zero);
+    const add_t* ap = delta.defined() ? delta.data_ptr<add_t>() : nullptr;
+    if (weight_f32 && !round_bf16) {
+      rms_norm_rows<float, float>(xp, ap, weight.data_ptr<float>(), e, out.data_ptr<float>(), T, H);
+    } else if (weight_f32) {
+      rms_norm_rows<float, bf16>(xp, ap, weight.data_ptr<float>(), e, out.data_ptr<float>(), T, H);
+    } else if (!round_bf16) {
+      rms_norm_rows<bf16, float>(xp, ap, weight.data_ptr<bf16>(), e, out.data_ptr<float>(), T, H);
+    } else {
+      rms_norm_rows<bf16, bf16>(xp, ap, weight.data_ptr<bf16>(), e, out.data_ptr<bf16>(), T, H);
+    }
+  };
+  if (delta.defined() && delta.scalar_type() == at::kBFloat16) {
+    run(bf16{});
   } else {
-    rms_norm_rows<bf16, bf16>(xp, weight.data_ptr<bf16>(), e, out.data_ptr<bf16>(), T, H);
+    run(float{});
   }
   return out;
 }
@@ -287,7 +310,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inflight, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType dtype) -> Tensor");
+  m.def(
+      "rms_norm(Tensor(a!) x, Tensor weight, float eps, ScalarType dtype, Tensor? add=None) "
+      "-> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.def(
       "rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
