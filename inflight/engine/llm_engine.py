@@ -185,6 +185,11 @@ class LLMEngine:
                 state = self._states.pop(request_id)
                 state.metrics.finished_time = time.monotonic()
 
+    def populate_kv_cache(self) -> bool:
+        """Map all of the KV cache's memory now rather than as blocks are first used (CPU);
+        safe to call from another thread while the engine steps. False if unsupported."""
+        return self.runner.populate_kv_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -13,7 +13,7 @@ from inflight.core.interface import ModelRunnerOutput, SchedulerOutput
 from inflight.engine.step_timings import StepTimings
 from inflight.model.llama import LlamaForCausalLM
 from inflight.worker.input_batch import build_model_inputs
-from inflight.worker.kv_cache import allocate_kv_cache
+from inflight.worker.kv_cache import allocate_kv_cache, populate
 from inflight.worker.sampler import Sampler
 
 
@@ -31,6 +31,10 @@ class ModelRunner:
         backend = choose_attention_backend(device)
         self.varlen_decode = backend in ("cpp", "cpp-all")
         self.varlen_prefill = backend == "cpp-all"
+
+    def populate_kv_cache(self) -> bool:
+        """Map the KV cache's memory now (see ``worker/kv_cache.populate``)."""
+        return populate(self.kv_caches)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
