@@ -164,11 +164,8 @@ class AsyncLLMEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
         self._thread.start()
-        # Map the KV cache's memory while the server is still idle, so that the first
-        # requests do not pay for it (safe alongside the engine thread).
-        threading.Thread(
-            target=self._engine.populate_kv_cache, name="inflight-kv-populate", daemon=True
-        ).start()
+        # Map the KV cache in while idle, not on first requests (safe beside the engine).
+        threading.Thread(target=self._engine.populate_kv_cache, daemon=True).start()
 
     async def shutdown(self) -> None:
         """Stop accepting, abort whatever is still in flight, and join the engine thread."""

@@ -6,16 +6,9 @@ is only that most prompts agree on their first tokens (README states the figure)
 
 from __future__ import annotations
 
+from helpers.prompts import PROMPTS
 from inflight import LLM, SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "def add(a, b):",
-    "Once upon a time, there was a",
-    "The three primary colours are",
-    "import numpy as np\n",
-    "Water boils at a temperature of",
-]
 TOKENS = 16
 
 

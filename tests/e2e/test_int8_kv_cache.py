@@ -13,16 +13,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.prompts import PROMPTS
 from inflight import LLM, SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "def add(a, b):",
-    "Once upon a time, there was a",
-    "The three primary colours are",
-    "import numpy as np\n",
-    "Water boils at a temperature of",
-]
 TOKENS = 16
 PARAMS = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
 
