@@ -17,6 +17,8 @@ Invariants:
 * Every ``LLMEngine`` call that reads or changes request state happens on the engine
   thread; other threads only put commands on the queue and read the immutable
   :class:`EngineStats` snapshot, which the engine thread swaps after each iteration.
+  Statistics are gathered per step and folded in once per step (:class:`StepStats`)
+  and once per ended request; nothing on the engine thread takes a lock for them.
 * The thread blocks on the command queue whenever the engine has no unfinished request
   (no busy-spinning), and drains every queued command before each step.
 * A request ends exactly once, with a final delta (``finished=True``) or an exception
@@ -36,6 +38,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from inflight.core.request import Request, RequestStatus
 from inflight.engine.llm_engine import LLMEngine, PromptInput
 from inflight.engine.loop_delivery import Outbox, deliver_on_loop
 from inflight.engine.request_stream import (
@@ -44,7 +47,14 @@ from inflight.engine.request_stream import (
     RequestDelta,
     RequestStream,
 )
-from inflight.metrics.stats import EngineStats, FinishedRequestStats, StatObserver
+from inflight.metrics.stats import (
+    EngineStats,
+    FinishedRequestStats,
+    PrefixCacheStats,
+    StatObserver,
+    StatsRecorder,
+    StepStats,
+)
 from inflight.outputs import RequestOutput
 from inflight.sampling_params import SamplingParams
 
@@ -83,11 +93,13 @@ class _Live:
     """Engine-thread bookkeeping for one request in flight."""
 
     stream: RequestStream
+    request: Request  # the scheduler's record: read only, to see when it is first scheduled
     num_prompt_tokens: int
     arrival_time: float
     holdback: int  # characters kept back while streaming, so a stop string is never sent
     sent_tokens: int = 0
     sent_chars: int = 0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -112,10 +124,12 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._live: dict[str, _Live] = {}
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
+        self._unscheduled: dict[str, _Live] = {}  # accepted, never scheduled yet
+        self._recorder = StatsRecorder(engine.max_model_len)
+        self._cache_config_info = _cache_config_info(engine)
         self._num_steps = 0
-        self._stats = EngineStats(num_kv_blocks_total=engine.kv_cache.num_blocks)
+        self._stats = EngineStats()
+        self._publish_stats()  # every family is there before the first request
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> AsyncLLMEngine:
@@ -301,15 +315,19 @@ class AsyncLLMEngine:
             return
         request = self._engine.scheduler.requests[command.request_id]
         stops = command.params.stop or []
-        self._live[command.request_id] = _Live(
+        live = _Live(
             stream=command.stream,
+            request=request,
             num_prompt_tokens=request.num_prompt_tokens,
             arrival_time=command.arrival_time,
             holdback=max((len(s) for s in stops), default=1) - 1,
         )
+        self._live[command.request_id] = live
+        self._unscheduled[command.request_id] = live
         outbox.resolve(command.accepted, None)
 
     def _step(self, outbox: Outbox) -> None:
+        started = time.monotonic()
         try:
             outputs = self._engine.step()
         except Exception as error:
@@ -321,22 +339,34 @@ class AsyncLLMEngine:
                 self._end(request_id, "error", outbox, failure)
             return
         self._num_steps += 1
-        now = time.monotonic()
+        if self._unscheduled:
+            self._note_scheduled(started)
+        step = StepStats(time=time.monotonic())
         for output in outputs:
-            self._on_output(output, now, outbox)
+            self._on_output(output, step, outbox)
+        if step.num_generation_tokens:
+            self._recorder.record_step(step)
 
-    def _on_output(self, output: RequestOutput, now: float, outbox: Outbox) -> None:
+    def _note_scheduled(self, step_started: float) -> None:
+        """Stamp the requests this step admitted: their queue time ends at its start."""
+        for request_id, live in list(self._unscheduled.items()):
+            if live.request.status is not RequestStatus.WAITING:
+                live.first_scheduled_time = step_started
+                del self._unscheduled[request_id]
+
+    def _on_output(self, output: RequestOutput, step: StepStats, outbox: Outbox) -> None:
         live = self._live.get(output.request_id)
         if live is None:
             return  # aborted between the step's start and now
         completion = output.outputs[0]
         new_ids = completion.token_ids[live.sent_tokens :]
         if new_ids:
-            if live.first_token_time is None:
-                live.first_token_time = now
-                self._prompt_tokens_total += live.num_prompt_tokens
-            live.last_token_time = now
-            self._generation_tokens_total += len(new_ids)
+            if live.last_token_time is None:
+                live.first_token_time = step.time
+                step.first_token(live.num_prompt_tokens, len(new_ids), live.arrival_time)
+            else:
+                step.next_tokens(len(new_ids), live.last_token_time)
+            live.last_token_time = step.time
         text = completion.text
         # Hold back the tail that could be the start of a stop string: if the string
         # completes later the engine cuts the text there, and sent text cannot be unsent.
@@ -379,6 +409,7 @@ class AsyncLLMEngine:
     ) -> None:
         """Forget a request: free its blocks (no-op if the engine ended it), report, notify."""
         live = self._live.pop(request_id)
+        self._unscheduled.pop(request_id, None)
         if reason in ("abort", "error"):
             try:
                 self._engine.abort_request(request_id)
@@ -386,6 +417,7 @@ class AsyncLLMEngine:
                 logger.exception("aborting %s failed", request_id)
         outbox.deliver(live.stream, final)
         stats = _finished_stats(live, reason, time.monotonic())
+        self._recorder.record_finished(stats)
         for observer in self._observers:
             try:
                 observer.on_request_finished(stats)
@@ -403,6 +435,7 @@ class AsyncLLMEngine:
     def _publish_stats(self) -> None:
         scheduler = self._engine.scheduler
         kv_cache = self._engine.kv_cache
+        recorder = self._recorder
         self._stats = EngineStats(
             num_requests_running=scheduler.num_running,
             num_requests_waiting=scheduler.num_waiting,
@@ -410,9 +443,13 @@ class AsyncLLMEngine:
             num_kv_blocks_used=kv_cache.pool.num_used_blocks,
             num_kv_blocks_total=kv_cache.num_blocks,
             num_preemptions_total=scheduler.num_preemptions,
-            prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total,
+            prompt_tokens_total=recorder.prompt_tokens_total,
+            generation_tokens_total=recorder.generation_tokens_total,
             num_steps_total=self._num_steps,
+            prefix_cache=getattr(kv_cache, "prefix_cache_stats", _NO_PREFIX_CACHE),
+            request_success=recorder.request_success,
+            histograms=recorder.histogram_snapshots(),
+            cache_config_info=self._cache_config_info,
         )
 
     def _die(self, error: BaseException) -> None:
@@ -435,15 +472,22 @@ class AsyncLLMEngine:
         self._send(outbox)
 
 
+_NO_PREFIX_CACHE = PrefixCacheStats()
+
+
 def _finished_stats(live: _Live, reason: str, now: float) -> FinishedRequestStats:
-    ttft = None if live.first_token_time is None else live.first_token_time - live.arrival_time
+    """The request's intervals (vLLM's definitions); one never reached is 0."""
+    scheduled = live.first_scheduled_time
+    first, last = live.first_token_time, live.last_token_time
+    ttft = None if first is None else first - live.arrival_time
     tpot = None
-    if (
-        live.first_token_time is not None
-        and live.last_token_time is not None
-        and (live.sent_tokens > 1)
-    ):
-        tpot = (live.last_token_time - live.first_token_time) / (live.sent_tokens - 1)
+    if first is not None and last is not None and live.sent_tokens > 1:
+        tpot = (last - first) / (live.sent_tokens - 1)
+    queue = (now if scheduled is None else scheduled) - live.arrival_time
+    # Without a token, prefill and inference run until the request ended (an abort).
+    prefill = 0.0 if scheduled is None else (now if first is None else first) - scheduled
+    inference = 0.0 if scheduled is None else (now if last is None else last) - scheduled
+    decode = 0.0 if first is None or last is None else last - first
     return FinishedRequestStats(
         finish_reason=reason,
         num_prompt_tokens=live.num_prompt_tokens,
@@ -451,4 +495,23 @@ def _finished_stats(live: _Live, reason: str, now: float) -> FinishedRequestStat
         e2e_latency=now - live.arrival_time,
         time_to_first_token=ttft,
         time_per_output_token=tpot,
+        queue_time=queue,
+        prefill_time=prefill,
+        decode_time=decode,
+        inference_time=inference,
+        max_tokens_param=live.request.max_output_tokens,
+        n=live.request.sampling_params.n,
+    )
+
+
+def _cache_config_info(engine: LLMEngine) -> tuple[tuple[str, str], ...]:
+    """vLLM's ``cache_config_info`` labels that inflight has, valued as vLLM writes them."""
+    cache = engine.config.cache
+    return (
+        ("block_size", str(cache.block_size)),
+        ("cache_dtype", cache.cache_dtype),
+        ("enable_prefix_caching", str(cache.enable_prefix_caching)),
+        ("kv_cache_memory_bytes", str(cache.kv_cache_memory_bytes)),
+        ("num_gpu_blocks", str(engine.kv_cache.num_blocks)),  # vLLM's name on every device
+        ("num_gpu_blocks_override", str(cache.num_kv_blocks)),
     )

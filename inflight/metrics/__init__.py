@@ -1,9 +1,23 @@
 """Serving statistics: what the async engine measures, and its Prometheus exposition.
 
 ``stats`` is pure Python (records the engine thread publishes); ``prometheus`` turns them
-into ``inflight:*`` metrics on a private registry, one per server.
+into vLLM's metric families under an ``inflight:`` prefix, on a private registry per server.
 """
 
-from inflight.metrics.stats import EngineStats, FinishedRequestStats, StatObserver
+from inflight.metrics.stats import (
+    EngineStats,
+    FinishedRequestStats,
+    PrefixCacheStats,
+    StatObserver,
+    StatsRecorder,
+    StepStats,
+)
 
-__all__ = ["EngineStats", "FinishedRequestStats", "StatObserver"]
+__all__ = [
+    "EngineStats",
+    "FinishedRequestStats",
+    "PrefixCacheStats",
+    "StatObserver",
+    "StatsRecorder",
+    "StepStats",
+]

@@ -1,135 +1,206 @@
-"""Prometheus exposition of the engine's statistics, named in vLLM's style (``inflight:``).
+"""Prometheus exposition of the engine's statistics: vLLM's V1 families, prefix ``inflight:``.
+
+Every family vLLM's ``PrometheusStatLogger`` exports by default has the same name (after
+``vllm:`` -> ``inflight:``), type, label names (``model_name``, ``engine``, plus
+``finished_reason`` / ``sleep_state``) and bucket edges, so a dashboard built for vLLM
+works after a find-and-replace of the prefix. ``docs/metrics.md`` lists them.
 
 Each server builds its own :class:`PrometheusMetrics` on a private ``CollectorRegistry``,
-so two servers (or two tests) in one process never share or collide on metrics.
-
-* Gauges and ``*_total`` counters are read at scrape time from the engine's latest
-  :class:`EngineStats` snapshot (a custom collector), so the engine thread never touches
-  prometheus objects per step.
-* Histograms (TTFT, TPOT, end-to-end latency) are observed once per finished request.
+so two servers (or two tests) in one process never share or collide on metrics. All
+families, histograms included, are rendered at scrape time from the engine's latest
+:class:`EngineStats` snapshot by one custom collector: the engine thread never touches a
+prometheus object, and a scrape never makes it wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from inflight.metrics.stats import EngineStats, FinishedRequestStats
+from inflight.metrics.stats import EngineStats, FinishedRequestStats, HistogramSnapshot
 
 PREFIX = "inflight:"
+ENGINE_INDEX = "0"  # one engine per server; vLLM labels each data-parallel engine
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
-# Bucket edges as in vLLM, so dashboards built for it read ours the same way.
-# fmt: off
-TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)
-TPOT_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)
-E2E_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)
-# fmt: on
+HISTOGRAM_DOCS = {
+    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "time_per_output_token_seconds": (
+        "Histogram of time per output token in seconds. "
+        "Same values as inter_token_latency_seconds (vLLM's name before 0.11)."
+    ),
+    "request_time_per_output_token_seconds": (
+        "Histogram of time_per_output_token_seconds per request."
+    ),
+    "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "request_max_num_generation_tokens": (
+        "Histogram of maximum number of requested generation tokens."
+    ),
+    "request_params_n": "Histogram of the n request parameter.",
+    "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+}
 
 
 class _EngineStatsCollector(Collector):
-    """Gauges and counters built from the engine snapshot at each scrape."""
+    """Every family, built from the engine snapshot at each scrape."""
 
     def __init__(self, read_stats: Callable[[], EngineStats], model_name: str) -> None:
         self._read_stats = read_stats
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._read_stats()
-        labels = ["model_name"]
-        values = [self._model_name]
+        stats = self._read_stats()  # one snapshot: every family describes the same instant
+        yield from self._gauges(stats)
+        yield from self._counters(stats)
+        yield self._request_success(stats)
+        yield self._cache_config_info(stats)
+        for name, snapshot in stats.histograms.items():
+            yield self._histogram(name, snapshot)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
+    # ------------------------------------------------------------------ builders
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
+    @property
+    def _labels(self) -> tuple[list[str], list[str]]:
+        return ["model_name", "engine"], [self._model_name, ENGINE_INDEX]
 
-        yield gauge(
-            "num_requests_running", "Requests in the running batch.", stats.num_requests_running
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        names, values = self._labels
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=names)
+        family.add_metric(values, value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        names, values = self._labels
+        family = CounterMetricFamily(PREFIX + name, doc, labels=names)
+        family.add_metric(values, value)
+        return family
+
+    def _gauges(self, stats: EngineStats) -> Iterator[Metric]:
+        yield self._gauge(
+            "num_requests_running",
+            "Number of requests in model execution batches.",
+            stats.num_requests_running,
         )
-        yield gauge(
-            "num_requests_waiting", "Requests waiting to be scheduled.", stats.num_requests_waiting
+        yield self._gauge(
+            "num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            stats.num_requests_waiting,
         )
-        yield gauge(
+        yield self._gauge(
             "kv_cache_usage_perc",
-            "Fraction of KV cache blocks in use (1 = full).",
+            "KV-cache usage. 1 means 100 percent usage.",
             stats.kv_cache_usage,
         )
-        yield gauge("num_kv_blocks_used", "KV cache blocks in use.", stats.num_kv_blocks_used)
-        yield gauge(
+        names, values = self._labels
+        sleep = GaugeMetricFamily(
+            PREFIX + "engine_sleep_state",
+            "Engine sleep state; awake = 1 means engine is awake (inflight never sleeps).",
+            labels=[*names, "sleep_state"],
+        )
+        for state in SLEEP_STATES:
+            sleep.add_metric([*values, state], 1.0 if state == "awake" else 0.0)
+        yield sleep
+        # inflight's own, beside vLLM's.
+        yield self._gauge("num_kv_blocks_used", "KV cache blocks in use.", stats.num_kv_blocks_used)
+        yield self._gauge(
             "num_kv_blocks_total", "KV cache blocks in the pool.", stats.num_kv_blocks_total
         )
-        yield counter(
+
+    def _counters(self, stats: EngineStats) -> Iterator[Metric]:
+        yield self._counter(
+            "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache.queries,
+        )
+        yield self._counter(
+            "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_cache.hits,
+        )
+        # No KV connector and no multi-modal models: these are truly zero.
+        for name, doc in (
+            ("external_prefix_cache_queries", "External prefix cache queries (KV connector)."),
+            ("external_prefix_cache_hits", "External prefix cache hits (KV connector)."),
+            ("mm_cache_queries", "Multi-modal cache queries, in items."),
+            ("mm_cache_hits", "Multi-modal cache hits, in items."),
+        ):
+            yield self._counter(name, doc, 0)
+        yield self._counter(
             "num_preemptions",
-            "Preemptions (running request evicted, recomputed later).",
+            "Cumulative number of preemption from the engine.",
             stats.num_preemptions_total,
         )
-        yield counter("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens_total)
-        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
-        yield counter("engine_steps", "Engine iterations run.", stats.num_steps_total)
+        yield self._counter(
+            "prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens_total
+        )
+        yield self._counter(
+            "generation_tokens",
+            "Number of generation tokens processed.",
+            stats.generation_tokens_total,
+        )
+        yield self._counter("engine_steps", "Engine iterations run.", stats.num_steps_total)
+
+    def _request_success(self, stats: EngineStats) -> Metric:
+        names, values = self._labels
+        family = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            labels=[*names, "finished_reason"],
+        )
+        for reason, count in stats.request_success:
+            family.add_metric([*values, reason], count)
+        return family
+
+    def _cache_config_info(self, stats: EngineStats) -> Metric:
+        # An info metric as vLLM writes it: a gauge fixed at 1, the config in its labels.
+        info = dict(stats.cache_config_info, engine=ENGINE_INDEX)
+        family = GaugeMetricFamily(
+            PREFIX + "cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(info),
+        )
+        family.add_metric(list(info.values()), 1.0)
+        return family
+
+    def _histogram(self, name: str, snapshot: HistogramSnapshot) -> Metric:
+        names, values = self._labels
+        family = HistogramMetricFamily(PREFIX + name, HISTOGRAM_DOCS[name], labels=names)
+        buckets = [
+            (floatToGoString(edge), count)
+            for edge, count in zip(snapshot.upper_bounds, snapshot.cumulative_counts)
+        ]
+        buckets.append(("+Inf", snapshot.count))
+        family.add_metric(values, buckets, sum_value=snapshot.sum)
+        return family
 
 
 class PrometheusMetrics:
-    """All of one server's metrics; pass it to the async engine as a stat observer."""
+    """All of one server's metrics, rendered from the engine's :class:`EngineStats`."""
 
     def __init__(self, read_stats: Callable[[], EngineStats], model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(read_stats, model_name))
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            family = Histogram(
-                PREFIX + name,
-                doc,
-                labelnames=["model_name"],
-                registry=self.registry,
-                buckets=buckets,
-            )
-            return family.labels(model_name)
-
-        self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self._tpot = histogram(
-            "time_per_output_token_seconds",
-            "Mean time per output token after the first, per request.",
-            TPOT_BUCKETS,
-        )
-        self._e2e = histogram(
-            "e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS
-        )
-        self._success = Counter(
-            PREFIX + "request_success",
-            "Finished requests, by finish reason.",
-            labelnames=["model_name", "finished_reason"],
-            registry=self.registry,
-        )
-        self._model_name = model_name
-        for reason in ("stop", "length", "abort", "error"):
-            # Present from the start, so a scrape before any request shows zeros.
-            self._success.labels(model_name, reason)
-
     def on_request_finished(self, stats: FinishedRequestStats) -> None:
-        self._success.labels(self._model_name, stats.finish_reason).inc()
-        self._e2e.observe(stats.e2e_latency)
-        if stats.time_to_first_token is not None:
-            self._ttft.observe(stats.time_to_first_token)
-        if stats.time_per_output_token is not None:
-            self._tpot.observe(stats.time_per_output_token)
+        """Nothing to do: finished requests reach the snapshot. Kept so that code which
+        registers this object as a stat observer keeps working."""
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""
