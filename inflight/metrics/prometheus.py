@@ -184,7 +184,7 @@ class _EngineStatsCollector(Collector):
         family = HistogramMetricFamily(PREFIX + name, HISTOGRAM_DOCS[name], labels=names)
         buckets = [
             (floatToGoString(edge), count)
-            for edge, count in zip(snapshot.upper_bounds, snapshot.cumulative_counts)
+            for edge, count in zip(snapshot.upper_bounds, snapshot.cumulative_counts, strict=True)
         ]
         buckets.append(("+Inf", snapshot.count))
         family.add_metric(values, buckets, sum_value=snapshot.sum)
