@@ -277,14 +277,15 @@ class AsyncLLMEngine:
             for command in self._next_commands(block=idle):
                 if isinstance(command, _Shutdown):
                     self._abort_live(None, outbox)
-                    self._send(outbox)
                     self._publish_stats()
+                    self._send(outbox)
                     return
                 self._apply(command, outbox)
             if self._engine.has_unfinished_requests():
                 self._step(outbox)
-            self._send(outbox)
+            # Publish first: a client that has its final delta finds it in /metrics.
             self._publish_stats()
+            self._send(outbox)
 
     def _next_commands(self, block: bool) -> list[_Command]:
         """Everything queued now; when idle, first wait (blocking) for one command."""
