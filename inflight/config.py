@@ -69,7 +69,8 @@ class CacheConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
-    enable_prefix_caching: bool = False
+    # Reuse the KV blocks of prompt prefixes seen before (vLLM's default: on).
+    enable_prefix_caching: bool = True
     cache_dtype: str = "auto"  # engine option kv_cache_dtype, as in vLLM
 
     def __post_init__(self) -> None:
@@ -86,7 +87,6 @@ class CacheConfig:
             self.kv_cache_memory_bytes > 0,
             f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}",
         )
-        _require(not self.enable_prefix_caching, "enable_prefix_caching is not supported yet")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +144,7 @@ def make_engine_config(
     block_size: int = DEFAULT_BLOCK_SIZE,
     num_kv_blocks: int | None = None,
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-    enable_prefix_caching: bool = False,
+    enable_prefix_caching: bool = True,
     record_trace: bool = False,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",

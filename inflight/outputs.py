@@ -44,3 +44,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Prompt tokens whose KV came from the prefix cache (vLLM's name).
+    num_cached_tokens: int = 0

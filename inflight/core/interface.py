@@ -26,6 +26,8 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     # The batch slot the request occupies (for traces and schedule pictures).
     slot: int
+    # Tokens taken from the prefix cache when the request was admitted in this step.
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

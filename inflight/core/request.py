@@ -52,6 +52,9 @@ class Request:
     priority: int = 0
     # Upper bound on prompt + output tokens (the model's context length).
     max_model_len: int = 1 << 30
+    # Mixed into the prefix-cache hash of the first block: requests with different salts
+    # never share cached blocks (vLLM's ``cache_salt``).
+    cache_salt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -59,6 +62,11 @@ class Request:
     num_preemptions: int = 0
     # The token that stopped the request (EOS or a stop token), when that is the reason.
     stop_reason: int | str | None = None
+    # Prompt tokens found in the prefix cache at first admission (None until admitted).
+    num_cached_tokens: int | None = None
+    # Chained hashes of the full blocks of ``all_token_ids``, filled by the KV cache
+    # manager as blocks fill up (kept across preemption, so re-admission is cheap).
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -7,10 +7,13 @@ Each call to :meth:`Scheduler.schedule` plans one step under a token budget:
 2. when the KV pool cannot grow a request's block table, preempt the lowest-priority,
    most recently admitted running request (free its blocks, back to the head of
    ``waiting``, recomputed later);
-3. only if nothing was preempted and budget remains, admit waiting requests.
+3. only if nothing was preempted and budget remains, admit waiting requests, each
+   starting after the longest prefix of its tokens already in the KV cache (prefix
+   caching, owned by :class:`KVCacheManager`), so only the rest costs budget.
 
 :meth:`Scheduler.update_from_output` then appends sampled tokens, applies stop
-conditions, and frees finished requests' blocks at once.
+conditions, registers blocks that became full in the prefix cache, and frees finished
+requests' blocks at once.
 """
 
 from __future__ import annotations
@@ -159,20 +162,26 @@ class Scheduler:
         for request in self.batching.admissible(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            num_new = request.num_tokens - request.num_computed_tokens
+            # Blocks of a prefix already in the cache are taken, not recomputed.
+            prefix = self.kv_cache.find_cached_prefix(request)
+            num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if self.kv_cache.allocate_slots(request.request_id, num_new) is None:
+            num_total = prefix.num_tokens + num_new
+            if self.kv_cache.allocate_slots(request.request_id, num_total, prefix) is None:
                 break
             self.waiting.remove(request)
+            request.num_computed_tokens = prefix.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.batching.on_admitted(request)
-            scheduled[request.request_id] = self._plan(request, num_new)
+            scheduled[request.request_id] = self._plan(request, num_new, prefix.num_tokens)
             budget -= num_new
 
-    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _plan(self, request: Request, num_new: int, num_cached: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         is_decode = num_new == 1 and start == request.num_tokens - 1 and start >= (
@@ -187,6 +196,7 @@ class Scheduler:
             is_prefill=not is_decode,
             sampling_params=request.sampling_params,
             slot=self.slots.slot_of(request.request_id),
+            num_cached_tokens=num_cached,
         )
 
     def _pick_victim(self) -> Request:
@@ -221,6 +231,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_tokens
+            self.kv_cache.cache_full_blocks(request)
             if not item.sample:
                 continue
             token = sampled[item.request_id]

@@ -102,7 +102,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks, block_size, self.device, kv_dtype, self.timings
         )
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.kv_cache = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
         self.step_trace = StepTrace(enabled=config.record_trace)
         self._states: dict[str, _RequestState] = {}
@@ -135,7 +137,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
                 raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
             if "prompt_token_ids" in prompt:
@@ -160,12 +162,13 @@ class LLMEngine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self.tokenize_prompt(prompt)
+        cache_salt = _cache_salt(prompt)
         now = time.monotonic()
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=now if arrival_time is None else arrival_time,
-            priority=priority, max_model_len=self.max_model_len,
+            priority=priority, max_model_len=self.max_model_len, cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         detokenizer = None
@@ -189,6 +192,11 @@ class LLMEngine:
         """Map all of the KV cache's memory now rather than as blocks are first used (CPU);
         safe to call from another thread while the engine steps. False if unsupported."""
         return self.runner.populate_kv_cache()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing changed) while requests hold
+        blocks, as in vLLM."""
+        return self.kv_cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -254,6 +262,7 @@ class LLMEngine:
             request_id=request.request_id, prompt=state.prompt,
             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
             finished=finished, metrics=state.metrics,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def _record_step(
@@ -263,7 +272,10 @@ class LLMEngine:
         if not self.step_trace.enabled:
             return
         entries = [
-            ScheduledEntry(s.request_id, s.slot, s.num_tokens, "prefill" if s.is_prefill else "decode")
+            ScheduledEntry(
+                s.request_id, s.slot, s.num_tokens, "prefill" if s.is_prefill else "decode",
+                s.num_cached_tokens,
+            )
             for s in scheduler_output.scheduled
         ]
         busy = {e.slot for e in entries}
@@ -289,6 +301,15 @@ def _eos_ids(arch_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def _cache_salt(prompt: PromptInput) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's name): requests with different salts never
+    share prefix-cache blocks."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def _check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:

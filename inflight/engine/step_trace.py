@@ -19,6 +19,8 @@ class ScheduledEntry:
     slot: int
     num_tokens: int
     kind: str  # "prefill" or "decode"
+    # Prompt tokens taken from the prefix cache when the request was admitted this step.
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,11 @@ class LLM:
     def step_trace(self) -> StepTrace:
         return self.llm_engine.step_trace
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (e.g. between benchmark runs). Returns False,
+        changing nothing, while any request holds KV blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -91,9 +96,13 @@ class LLM:
         tokenized = [engine.tokenize_prompt(p) for p in prompts]
         ids: list[str] = []
         try:
-            for (text, token_ids), p, prio in zip(tokenized, params, priorities, strict=True):
+            for original, (text, token_ids), p, prio in zip(
+                prompts, tokenized, params, priorities, strict=True
+            ):
                 request_id = engine.new_request_id()
-                prompt: PromptInput = {"prompt": text, "prompt_token_ids": token_ids}
+                prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
+                if isinstance(original, dict) and "cache_salt" in original:
+                    prompt["cache_salt"] = original["cache_salt"]
                 engine.add_request(request_id, prompt, p, priority=prio)
                 ids.append(request_id)
         except Exception:

@@ -18,7 +18,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from inflight.config import SchedulerConfig
-from inflight.core.interface import ModelRunnerOutput, RequestUpdate, SchedulerOutput
+from inflight.core.interface import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler
@@ -35,14 +40,19 @@ class FakeRunner:
 
     Like a real runner it keeps per-request state (here the tokens by position, standing
     in for the KV cache) and drops it when the scheduler reports a request preempted or
-    finished. It asserts what a real runner would need to be true: each chunk continues
-    exactly where the cached tokens end, the block table covers the chunk, and no block
-    is used by two requests in one step.
+    finished. With a ``block_size`` it also keeps the contents of every KV block, written
+    through the block tables, and rebuilds each history by reading those blocks back, so
+    a prefix-cache hit on the wrong block, or a shared block overwritten by another
+    request, changes the sampled tokens. It asserts what a real runner would need to be
+    true: each chunk continues exactly where the computed tokens end (a request admitted
+    with a prefix-cache hit starts right after its cached tokens), the block table covers
+    the chunk, and no block is written by one request while another holds it in the step.
     """
 
     def __init__(self, block_size: int | None = None) -> None:
         self.block_size = block_size
         self.histories: dict[str, dict[int, int]] = {}
+        self.blocks: dict[int, dict[int, int]] = {}  # block id -> offset -> token
         self.num_calls = 0
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -52,15 +62,17 @@ class FakeRunner:
         for request_id in scheduler_output.finished_request_ids:
             self.histories.pop(request_id, None)
         sampled: dict[str, int] = {}
-        blocks_in_step: set[int] = set()
         seen: set[str] = set()
+        self._check_writes(scheduler_output)
         for item in scheduler_output.scheduled:
             assert item.request_id not in seen, f"{item.request_id} scheduled twice in a step"
             seen.add(item.request_id)
             assert item.token_ids, f"{item.request_id} scheduled with no tokens"
             if not item.is_prefill:  # a decode is exactly one token, then a sample
                 assert item.num_tokens == 1 and item.sample, f"{item.request_id}: bad decode"
-            history = self.histories.setdefault(item.request_id, {})
+            history = self.histories.get(item.request_id)
+            if history is None:
+                history = self._admit(item)
             assert item.start_position == len(history), (
                 f"{item.request_id}: chunk starts at {item.start_position} but the cache "
                 f"holds {len(history)} tokens"
@@ -73,11 +85,58 @@ class FakeRunner:
                     f"{item.request_id}: {len(item.block_ids)} blocks cannot hold {end} tokens"
                 )
                 assert len(set(item.block_ids)) == len(item.block_ids)
-                assert not blocks_in_step & set(item.block_ids), "a block shared by two requests"
-                blocks_in_step |= set(item.block_ids)
+                self._write(item)
+                # What attention would see: the history as stored in the blocks.
+                history = {p: self._read(item.block_ids, p) for p in range(end)}
             if item.sample:
                 sampled[item.request_id] = next_token([history[p] for p in range(end)])
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _admit(self, item: ScheduledRequest) -> dict[int, int]:
+        """A request the runner holds nothing for: it starts at 0, or right after the
+        tokens the scheduler says came from the prefix cache (read from those blocks)."""
+        assert item.start_position == item.num_cached_tokens, (
+            f"{item.request_id}: first chunk at {item.start_position} with "
+            f"{item.num_cached_tokens} cached tokens"
+        )
+        history: dict[int, int] = {}
+        if item.num_cached_tokens:
+            assert self.block_size is not None
+            assert item.num_cached_tokens % self.block_size == 0
+            for p in range(item.num_cached_tokens):
+                history[p] = self._read(item.block_ids, p)
+        self.histories[item.request_id] = history
+        return history
+
+    def _check_writes(self, scheduler_output: SchedulerOutput) -> None:
+        if self.block_size is None:
+            return
+        size = self.block_size
+        written: dict[int, str] = {}
+        for item in scheduler_output.scheduled:
+            end = item.start_position + item.num_tokens
+            for index in range(item.start_position // size, (end - 1) // size + 1):
+                written[item.block_ids[index]] = item.request_id
+        for item in scheduler_output.scheduled:
+            for block_id in item.block_ids:
+                writer = written.get(block_id, item.request_id)
+                assert writer == item.request_id, (
+                    f"block {block_id} is written by {writer} while {item.request_id} holds it"
+                )
+
+    def _write(self, item: ScheduledRequest) -> None:
+        assert self.block_size is not None
+        for offset, token in enumerate(item.token_ids):
+            position = item.start_position + offset
+            block = self.blocks.setdefault(item.block_ids[position // self.block_size], {})
+            block[position % self.block_size] = token
+
+    def _read(self, block_ids: list[int], position: int) -> int:
+        assert self.block_size is not None
+        block = self.blocks.get(block_ids[position // self.block_size], {})
+        offset = position % self.block_size
+        assert offset in block, f"position {position} was never written"
+        return block[offset]
 
 
 @dataclass
@@ -261,9 +320,11 @@ def reference_output(spec: Spec, max_model_len: int = 1 << 30) -> tuple[list[int
 def make_scheduler(
     num_blocks: int = 1024,
     block_size: int = 16,
+    enable_prefix_caching: bool = False,
     **config: object,
 ) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size))  # type: ignore[arg-type]
+    kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    return Scheduler(SchedulerConfig(**config), kv_cache)  # type: ignore[arg-type]
 
 
 def run_specs(

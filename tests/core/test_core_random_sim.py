@@ -1,8 +1,10 @@
-"""Seeded random simulation: chunking, preemption and aborts never change any token.
+"""Seeded random simulation: chunking, preemption, aborts and prefix caching never change
+any token.
 
 Each trial draws a workload (prompt lengths, output lengths, stop tokens, arrivals, aborts)
 and an engine shape (block size, a KV cache just big enough for the largest request, a
-tiny token budget, few sequences, either policy, either batching mode), drives it with
+tiny token budget, few sequences, either policy, either batching mode, prefix caching on
+or off, half the prompts sharing a prefix with an earlier one), drives it with
 the fake runner (which checks invariants every step) and compares every surviving
 request with the same request run alone.
 """
@@ -10,6 +12,7 @@ request with the same request run alone.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 from fake_engine import (
@@ -36,8 +39,15 @@ def blocks_for(spec: Spec, max_model_len: int, block_size: int) -> int:
     return -(-max(prompt_len + limit - 1, prompt_len) // block_size)
 
 
-def draw_spec(rng: random.Random, index: int, max_model_len: int) -> Spec:
-    prompt = tuple(rng.randrange(0, 3000) for _ in range(rng.randint(1, min(80, max_model_len))))
+def draw_spec(
+    rng: random.Random, index: int, max_model_len: int, earlier: Sequence[Spec] = ()
+) -> Spec:
+    length = rng.randint(1, min(80, max_model_len))
+    prompt = tuple(rng.randrange(0, 3000) for _ in range(length))
+    if earlier and rng.random() < 0.5:  # share a prefix with an earlier prompt (prefix cache)
+        base = rng.choice(earlier).prompt
+        keep = rng.randint(0, len(base))
+        prompt = (base[:keep] + prompt)[: max(length, keep)]
     max_tokens = rng.randint(1, 40)
     spec = Spec(
         f"r{index}",
@@ -139,7 +149,10 @@ def run_trial(seed: int) -> DriveResult:
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
     max_model_len = rng.choice([8192, rng.randint(8, 120)])
-    specs = [draw_spec(rng, i, max_model_len) for i in range(rng.randint(1, 10))]
+    specs: list[Spec] = []
+    for i in range(rng.randint(1, 10)):
+        specs.append(draw_spec(rng, i, max_model_len, specs))
+    prefix_caching = rng.random() < 0.5
     policy = rng.choice(["fcfs", "priority"])
     chunked = rng.random() < 0.85
     budget = rng.randint(1, 40) if chunked else max_model_len
@@ -152,7 +165,8 @@ def run_trial(seed: int) -> DriveResult:
         batching=rng.choice(["continuous"] * 4 + ["static"]),
     )
     need = max(blocks_for(s, max_model_len, block_size) for s in specs)
-    scheduler = Scheduler(config, KVCacheManager(need + rng.randint(0, 3), block_size))
+    kv_cache = KVCacheManager(need + rng.randint(0, 3), block_size, prefix_caching)
+    scheduler = Scheduler(config, kv_cache)
 
     arrivals: dict[int, list] = {}
     arrive_at = {}
@@ -205,7 +219,7 @@ def run_trial(seed: int) -> DriveResult:
 
 
 def test_random_simulation_matches_reference() -> None:
-    preemptions = chunks = stops = aborted = 0
+    preemptions = chunks = stops = aborted = cached = 0
     for seed in range(NUM_TRIALS):
         try:
             result = run_trial(seed)
@@ -217,8 +231,10 @@ def test_random_simulation_matches_reference() -> None:
         )
         stops += sum(1 for reason in result.finish_reasons.values() if reason == "stop")
         aborted += len(result.aborted)
+        cached += sum(s.num_cached_tokens for r in result.steps for s in r.output.scheduled)
     # The workload really exercised what it claims to check.
     assert preemptions > 100, preemptions
     assert chunks > 100, chunks
     assert stops > 50, stops
     assert aborted > 20, aborted
+    assert cached > 1000, cached

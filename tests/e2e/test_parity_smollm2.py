@@ -60,6 +60,7 @@ SCHEDULES = {
     # By default steps of up to 32 tokens read the GGUF blocks; this one keeps every step
     # on the dense float32 weights.
     "dense-weights-only": dict(max_num_seqs=16, quantization="none"),
+    "prefix-caching-off": dict(max_num_seqs=16, enable_prefix_caching=False),
 }
 
 
@@ -77,6 +78,12 @@ def test_default_model_greedy_matches_transformers(prompt_token_ids, references,
         assert any(r.preempted for r in records), "the tiny cache was meant to force preemption"
     if schedule == "tiny-token-budget-chunks":
         assert all(r.num_batched_tokens <= 10 for r in records)
+    if schedule == "one-at-a-time":
+        # The second chat prompt reuses the first's cached blocks (the template's system
+        # prompt): prefix caching is on by default and leaves the tokens unchanged.
+        assert outputs[1].num_cached_tokens >= 16
+    if schedule == "prefix-caching-off":
+        assert all(o.num_cached_tokens == 0 for o in outputs)
 
 
 def test_chat_answers_paris():
