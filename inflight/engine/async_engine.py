@@ -447,7 +447,9 @@ class AsyncLLMEngine:
             prompt_tokens_total=recorder.prompt_tokens_total,
             generation_tokens_total=recorder.generation_tokens_total,
             num_steps_total=self._num_steps,
-            prefix_cache=getattr(kv_cache, "prefix_cache_stats", _NO_PREFIX_CACHE),
+            prefix_cache=PrefixCacheStats(
+                queries=kv_cache.prefix_stats.queries, hits=kv_cache.prefix_stats.hits
+            ),
             request_success=recorder.request_success,
             histograms=recorder.histogram_snapshots(),
             cache_config_info=self._cache_config_info,
@@ -471,9 +473,6 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 outbox.resolve(command.accepted, failure)
         self._send(outbox)
-
-
-_NO_PREFIX_CACHE = PrefixCacheStats()
 
 
 def _finished_stats(live: _Live, reason: str, now: float) -> FinishedRequestStats:

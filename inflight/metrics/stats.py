@@ -119,9 +119,9 @@ def histogram_buckets(max_model_len: int) -> dict[str, tuple[float, ...]]:
 class PrefixCacheStats:
     """Cumulative prefix-cache lookups, in tokens (vLLM's ``prefix_cache_queries/hits``).
 
-    The seam for prefix caching: the KV cache manager exposes one of these as
-    ``prefix_cache_stats`` (queried = prompt tokens looked up, hits = tokens found cached)
-    and the async engine publishes it as is. Without prefix caching both stay 0.
+    A frozen copy of the KV cache manager's counts (queried = tokens of admitted requests
+    looked up, hits = tokens found cached), published after every step. Without prefix
+    caching both stay 0.
     """
 
     queries: int = 0
