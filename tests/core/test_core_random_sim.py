@@ -37,7 +37,9 @@ def blocks_for(spec: Spec, max_model_len: int, block_size: int) -> int:
 
 
 def draw_spec(rng: random.Random, index: int, max_model_len: int) -> Spec:
-    prompt = tuple(rng.randrange(0, 3000) for _ in range(rng.randint(1, min(80, max_model_len))))
+    # A prompt of max_model_len tokens is rejected (no room for an output token), as in vLLM.
+    length = rng.randint(1, min(80, max_model_len - 1))
+    prompt = tuple(rng.randrange(0, 3000) for _ in range(length))
     max_tokens = rng.randint(1, 40)
     spec = Spec(
         f"r{index}",
