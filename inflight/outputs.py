@@ -10,9 +10,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
-    stop_reason: int | str | None = None  # the stop token id or stop string, if any
+    # "stop", "length", "abort" or "error"; None while running.
+    finish_reason: str | None = None
+    # The stop token id or stop string that ended it; None for EOS and the other reasons.
+    stop_reason: int | str | None = None
     logprobs: None = None  # seam for a later issue
+    # Why the request failed when finish_reason is "error" (only this request ended).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

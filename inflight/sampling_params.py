@@ -5,10 +5,27 @@ Pure Python (no torch): the scheduler reads the stop-related fields.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 _GREEDY_EPS = 1e-5
+# Integers that reach torch (seed, token ids, counts) must fit a signed 64-bit integer;
+# vLLM's OpenAI protocol bounds ``seed`` to this same range (torch.long).
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+class InvalidRequestError(ValueError):
+    """A request carries a value the engine cannot use; ``parameter`` names the field.
+
+    Raised when the request is created (never during a step), so nothing else is touched;
+    the server answers it with a 400 that names ``parameter``.
+    """
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 @dataclass(slots=True)
@@ -19,6 +36,16 @@ class SamplingParams:
     length". Fields not yet implemented by the engine (``n > 1``, ``logprobs``, penalties)
     are accepted only at their neutral values, so callers get a clear error rather than a
     silently ignored option.
+
+    Every value is checked here, on construction, against the range the engine can use
+    (``seed`` within torch.long, counts within int64, booleans really bool), raising
+    :class:`InvalidRequestError` naming the field. Token ids are checked against the
+    vocabulary when the request is added (``LLMEngine.add_request``).
+
+    Stop semantics follow vLLM: ``min_tokens`` holds back EOS, ``stop_token_ids`` (both
+    masked from sampling) and stop strings (not searched) until that many tokens exist;
+    the text of a stop token or EOS that ends the request is left out of ``text`` unless
+    ``include_stop_str_in_output`` (its id stays in ``token_ids``).
     """
 
     n: int = 1
@@ -68,41 +95,43 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def _validate(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(f"SamplingParams: {message}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            fail(f"n must be a positive integer, got {self.n!r}")
+        if not _is_int(self.n) or self.n < 1:
+            _fail("n", f"n must be a positive integer, got {self.n!r}")
         if self.n != 1:
-            fail("n > 1 is not supported yet")
+            _fail("n", "n > 1 is not supported yet")
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p <= 0.0:
-            fail(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            fail(f"top_k must be an integer, got {self.top_k!r}")
-        if self.top_k < -1:
-            fail(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+            _fail("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_int(self.top_k):
+            _fail("top_k", f"top_k must be an integer, got {self.top_k!r}")
+        # Values above the vocabulary size mean "all tokens" (the sampler clamps them).
+        if not -1 <= self.top_k <= INT64_MAX:
+            _fail("top_k", f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            fail(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                _fail("seed", f"seed must be an integer, got {self.seed!r}")
+            if not INT64_MIN <= self.seed <= INT64_MAX:
+                _fail("seed", f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
         if self.max_tokens is not None:
-            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-                fail(f"max_tokens must be an integer, got {self.max_tokens!r}")
-            if self.max_tokens < 1:
-                fail(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+            _check_count("max_tokens", self.max_tokens, low=1)
+        _check_count("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            _fail("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for s in self.stop:  # type: ignore[union-attr]
             if not isinstance(s, str) or not s:
-                fail(f"stop strings must be non-empty strings, got {s!r}")
+                _fail("stop", f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:  # type: ignore[union-attr]
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                fail(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if not _is_int(t) or not 0 <= t <= INT64_MAX:
+                _fail("stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            _fail("stop", "stop strings are only supported when detokenize is True")
         if self.logprobs is not None:
-            fail("logprobs is not supported yet")
+            _fail("logprobs", "logprobs is not supported yet")
         for name, neutral in (
             ("presence_penalty", 0.0),
             ("frequency_penalty", 0.0),
@@ -111,17 +140,36 @@ class SamplingParams:
             value = getattr(self, name)
             _check_number(name, value)
             if value != neutral:
-                fail(f"{name} is not supported yet (got {value})")
+                _fail(name, f"{name} is not supported yet (got {value})")
+
+
+def _fail(name: str, message: str) -> NoReturn:
+    # "SamplingParams: <field> ...": the server reads the field name from the message too.
+    raise InvalidRequestError(f"SamplingParams: {message}", parameter=name)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_count(name: str, value: Any, low: int) -> None:
+    if not _is_int(value):
+        _fail(name, f"{name} must be an integer, got {value!r}")
+    if not low <= value <= INT64_MAX:
+        _fail(name, f"{name} must be in [{low}, {INT64_MAX}], got {value}")
 
 
 def _check_number(
     name: str, value: Any, low: float | None = None, high: float | None = None
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"SamplingParams: {name} must be a number, got {value!r}")
+        _fail(name, f"{name} must be a number, got {value!r}")
     if value != value:  # NaN
-        raise ValueError(f"SamplingParams: {name} must not be NaN")
+        _fail(name, f"{name} must not be NaN")
+    # Huge ints overflow float arithmetic in the sampler; infinities make NaN there.
+    if abs(value) > 1e30 or not math.isfinite(value):
+        _fail(name, f"{name} must be a finite number, got {value}")
     if low is not None and value < low:
-        raise ValueError(f"SamplingParams: {name} must be >= {low}, got {value}")
+        _fail(name, f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"SamplingParams: {name} must be <= {high}, got {value}")
+        _fail(name, f"{name} must be <= {high}, got {value}")

@@ -1,7 +1,8 @@
 """The two records that cross between the scheduler and the model runner.
 
 The scheduler says which tokens of which requests to run (``SchedulerOutput``); the runner
-answers with the sampled tokens (``ModelRunnerOutput``). Nothing else crosses.
+answers with the sampled tokens and the requests whose part of the step failed
+(``ModelRunnerOutput``). Nothing else crosses.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class ScheduledRequest:
     slot: int
     # Tokens taken from the prefix cache when the request was admitted in this step.
     num_cached_tokens: int = 0
+    # Token ids the sampled token may not be (stop and EOS ids while min_tokens is unmet).
+    suppressed_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -53,8 +56,12 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    # request id -> sampled token, for every scheduled request with ``sample=True``.
+    # request id -> sampled token, for every scheduled request with ``sample=True`` that
+    # did not fail.
     sampled_token_ids: dict[str, int]
+    # request id -> why preparing its part of the step failed (its sampler state, its
+    # inputs). Only these requests end, with FINISHED_ERROR; the others' tokens are valid.
+    failed_requests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +73,4 @@ class RequestUpdate:
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # the failure's message when finish_reason is "error"

@@ -3,6 +3,24 @@
 Invariant: ``num_computed_tokens <= num_tokens``; tokens ``[0, num_computed_tokens)`` have
 their K/V in the cache. After a preemption ``num_computed_tokens`` falls back to 0 and the
 whole sequence (prompt plus tokens generated so far) is recomputed.
+
+Stop rules (vLLM's ``check_stop``), applied after each sampled token:
+
+============================  ==============  ===============================
+what the last token is        finish_reason   stop_reason
+============================  ==============  ===============================
+the primary EOS (not ignored)  "stop"         None
+a ``stop_token_ids`` hit       "stop"         the token id
+another model EOS id           "stop"         the token id (vLLM merges the
+                                              generation config's extra EOS
+                                              ids into stop_token_ids)
+the ``max_tokens``-th token    "length"       None
+the context's last position    "length"       None
+============================  ==============  ===============================
+
+None of the token stops count before ``min_tokens`` tokens exist (the sampler also masks
+them until then); the length limits always do. Stop strings, aborts ("abort") and
+per-request failures ("error") are decided outside this check.
 """
 
 from __future__ import annotations
@@ -20,6 +38,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    # Something failed while preparing this request's part of a step; it alone ends.
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -34,11 +54,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -47,6 +69,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # The model's end-of-sequence ids; the first is the primary EOS (the tokenizer's).
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     priority: int = 0
@@ -60,16 +83,28 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
-    # The token that stopped the request (EOS or a stop token), when that is the reason.
+    # The stop token id or stop string that ended the request (None for EOS, length).
     stop_reason: int | str | None = None
     # Prompt tokens found in the prefix cache at first admission (None until admitted).
     num_cached_tokens: int | None = None
     # Chained hashes of the full blocks of ``all_token_ids``, filled by the KV cache
     # manager as blocks fill up (kept across preemption, so re-admission is cheap).
     block_hashes: list[bytes] = field(default_factory=list)
+    # Why the request failed, when its status is FINISHED_ERROR.
+    error: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        params = self.sampling_params
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        # Token ids that stop the request with themselves as stop_reason.
+        extra_eos = () if params.ignore_eos else self.eos_token_ids[1:]
+        self.stop_token_ids = frozenset((*params.stop_token_ids, *extra_eos))  # type: ignore[misc]
+        # What min_tokens keeps the sampler from choosing: every stop id and every EOS id,
+        # ignore_eos or not (as vLLM's all_stop_token_ids).
+        self.all_stop_token_ids = tuple(
+            sorted({*params.stop_token_ids, *self.eos_token_ids})  # type: ignore[misc]
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,15 +133,25 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    @property
+    def suppressed_token_ids(self) -> tuple[int, ...]:
+        """Ids the next sampled token may not be: the stop ids while min_tokens is unmet."""
+        if self.num_output_tokens < self.sampling_params.min_tokens:
+            return self.all_stop_token_ids
+        return ()
+
     def check_stop(self) -> RequestStatus | None:
-        """The finished status implied by the last output token, or None to go on."""
+        """The finished status implied by the last output token, or None to go on.
+
+        Sets ``stop_reason`` as vLLM does (see the module docstring's table).
+        """
         params = self.sampling_params
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in self.eos_token_ids:
-                self.stop_reason = last
+            if not params.ignore_eos and last == self.eos_token_id:
+                self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:  # type: ignore[operator]
+            if last in self.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_output_tokens:

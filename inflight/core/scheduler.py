@@ -30,6 +30,7 @@ from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.request import Request, RequestStatus
 from inflight.core.request_queue import make_request_queue
 from inflight.core.slots import SlotTable
+from inflight.sampling_params import InvalidRequestError
 
 
 class Scheduler:
@@ -60,27 +61,45 @@ class Scheduler:
         self.waiting.add(request)
 
     def check_admissible(self, request: Request) -> None:
+        """Raise ValueError (vLLM's wording where clients match on it) for a request that
+        could never run; change nothing."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
+        if not isinstance(request.priority, int) or isinstance(request.priority, bool):
+            raise InvalidRequestError(
+                f"priority must be an integer, got {request.priority!r}", "priority"
+            )
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise InvalidRequestError("The decoder prompt cannot be empty", "prompt")
         max_len = self.config.max_model_len
-        if request.num_prompt_tokens > max_len:
-            raise ValueError(
-                f"the prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_model_len={max_len}"
+        if num_prompt > max_len:
+            raise InvalidRequestError(
+                f"The decoder prompt (length {num_prompt}) is longer than the maximum model "
+                f"length of {max_len}. Make sure that `max_model_len` is no smaller than the "
+                "number of text tokens.",
+                "prompt",
+            )
+        if num_prompt == max_len:  # no room left for even one output token
+            raise InvalidRequestError(
+                f"The decoder prompt (length {num_prompt}) plus the number of requested output "
+                f"tokens (at least 1) is longer than the maximum model length of {max_len}. "
+                "Make sure that `max_model_len` is no smaller than the number of text tokens "
+                "(prompt + requested output tokens).",
+                "prompt",
             )
         limit = request.sampling_params.max_tokens
         # max_tokens=None is capped at the cache's capacity in add_request; only the prompt
-        # (plus one token) must fit then.
-        longest = min(max_len, request.num_prompt_tokens + (limit if limit else 1))
+        # (plus one token) must fit then. A larger max_tokens is capped at max_model_len.
+        longest = min(max_len, num_prompt + (limit if limit else 1))
         # The final sampled token needs no KV slot of its own.
-        needed = self.kv_cache.blocks_needed(max(longest - 1, request.num_prompt_tokens))
+        needed = self.kv_cache.blocks_needed(max(longest - 1, num_prompt))
         if needed > self.kv_cache.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the request needs up to {needed} KV blocks of {self.kv_cache.block_size} "
                 f"tokens but the whole cache has {self.kv_cache.num_blocks}; shorten the prompt "
-                "or max_tokens, or give the cache more memory"
+                "or max_tokens, or give the cache more memory",
+                "prompt",
             )
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -197,6 +216,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             slot=self.slots.slot_of(request.request_id),
             num_cached_tokens=num_cached,
+            suppressed_token_ids=request.suppressed_token_ids if end == request.num_tokens else (),
         )
 
     def _pick_victim(self) -> Request:
@@ -224,12 +244,17 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
+        """Apply one step's results: append tokens, stop requests, end failed ones."""
         updates: list[RequestUpdate] = []
         sampled = runner_output.sampled_token_ids
+        failed = runner_output.failed_requests
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if item.request_id in failed:
+                updates.append(self._fail(request, failed[item.request_id]))
+                continue
             request.num_computed_tokens += item.num_tokens
             self.kv_cache.cache_full_blocks(request)
             if not item.sample:
@@ -250,6 +275,19 @@ class Scheduler:
                 )
             )
         return updates
+
+    def _fail(self, request: Request, message: str) -> RequestUpdate:
+        """End one request whose part of the step failed; its blocks are freed at once."""
+        request.error = message
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return RequestUpdate(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=request.status.finish_reason,
+            error=message,
+        )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -45,6 +45,7 @@ from inflight.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
     RequestDelta,
+    RequestFailedError,
     RequestStream,
 )
 from inflight.metrics.stats import (
@@ -360,6 +361,10 @@ class AsyncLLMEngine:
         if live is None:
             return  # aborted between the step's start and now
         completion = output.outputs[0]
+        if completion.finish_reason == "error":  # this request alone failed
+            failure = RequestFailedError(f"the request failed: {completion.error}")
+            self._end(output.request_id, "error", outbox, failure)
+            return
         new_ids = completion.token_ids[live.sent_tokens :]
         if new_ids:
             if live.last_token_time is None:

@@ -3,6 +3,14 @@
 Decoding token by token is wrong for byte-level BPE (a character can span tokens) and
 for SentencePiece (leading spaces depend on the previous token), so each new piece is
 the difference between decoding a short window with and without the new tokens.
+
+Stop rules, as vLLM's detokenizer:
+
+* the text of the token that ended the request (EOS or a ``stop_token_ids`` hit,
+  ``stop_terminated``) is left out unless ``include_stop_str_in_output``;
+* stop strings are searched only once more than ``min_tokens`` tokens exist, and never
+  in the text of the first ``min_tokens`` tokens (a stop string may still start in their
+  last characters and end after them).
 """
 
 from __future__ import annotations
@@ -16,21 +24,43 @@ _PROMPT_CONTEXT = 5
 class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
-        stop: list[str], include_stop_str_in_output: bool,
+        stop: list[str], include_stop_str_in_output: bool, min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.num_output_tokens = 0
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens to ``text``; returns the stop string if one now appears."""
+    def add_tokens(self, token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Append the tokens' text to ``text``; returns the stop string if one now appears.
+
+        ``stop_terminated``: the last of ``token_ids`` ended the request (EOS or a stop
+        token id), so its text is left out unless ``include_stop_str_in_output``.
+        """
+        num_new = len(token_ids)
+        if stop_terminated and not self.include_stop:
+            token_ids = token_ids[:-1]
+        # The first min_tokens tokens' text is appended but never searched for stops.
+        held = max(0, min(len(token_ids), self.min_tokens - self.num_output_tokens))
+        if held:
+            self._append(token_ids[:held])
+        search_from = len(self.text)
+        self._append(token_ids[held:])
+        self.num_output_tokens += num_new
+        if not self.stop or self.num_output_tokens <= self.min_tokens:
+            return None
+        return self._find_stop(search_from)
+
+    def _append(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            return
         self._ids.extend(token_ids)
-        before = len(self.text)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         # A trailing U+FFFD means an incomplete UTF-8 sequence: wait for more tokens.
@@ -38,12 +68,12 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
-        return self._find_stop(before)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _find_stop(self, new_text_start: int) -> str | None:
+        """The first of ``stop`` (in list order) found in the new text, as vLLM."""
         for stop in self.stop:
             # Only text that could contain a stop string ending in the new piece.
             search_from = max(0, new_text_start - len(stop) + 1)

@@ -6,11 +6,19 @@
 
 The offline ``LLM`` class and the server both drive this same surface
 (``add_request`` / ``step`` / ``abort_request``).
+
+Errors: a request the engine cannot run raises ``ValueError`` (an
+:class:`InvalidRequestError` naming the field) from ``add_request``, changing nothing.
+If preparing one request's part of a step fails all the same, that request alone ends
+with ``finish_reason="error"`` and the message in ``CompletionOutput.error`` (as vLLM's
+FINISHED_ERROR, the output is returned rather than raised, so ``LLM.generate`` still
+gives every other prompt its output); the other requests in the step go on unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +32,9 @@ from inflight.engine.detokenizer import IncrementalDetokenizer
 from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import ScheduledEntry, StepRecord, StepTrace
 from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -159,8 +169,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        _check_stop_token_ids(params, self.vocab_size)
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = _cache_salt(prompt)
         now = time.monotonic()
@@ -176,6 +187,7 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens,
                 list(params.stop or []), params.include_stop_str_in_output,
+                params.min_tokens,
             )
         self._states[request_id] = _RequestState(
             request=request, prompt=text, detokenizer=detokenizer, stream=stream,
@@ -223,12 +235,17 @@ class LLMEngine:
     def _process_update(self, update: RequestUpdate, now: float) -> RequestOutput | None:
         state = self._states[update.request_id]
         metrics = state.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
+        if update.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
         finished = update.finished
-        if state.detokenizer is not None and (state.stream or state.request.sampling_params.stop):
-            stop = state.detokenizer.add_tokens(update.new_token_ids)
+        if update.error is not None:
+            logger.warning("request %s failed: %s", update.request_id, update.error)
+        elif state.detokenizer is not None and (state.stream or state.request.sampling_params.stop):
+            stop = state.detokenizer.add_tokens(
+                update.new_token_ids, stop_terminated=finished and update.finish_reason == "stop"
+            )
             if stop is not None:
                 # A stop string wins even when the same token also hit EOS or the length limit.
                 if not finished:
@@ -248,15 +265,17 @@ class LLMEngine:
         request = state.request
         text = ""
         if state.detokenizer is not None:
-            if state.stream or request.sampling_params.stop:
-                text = state.detokenizer.text
-            else:  # decoded once, at the end, off the per-step path
-                state.detokenizer.add_tokens(request.output_token_ids)
-                text = state.detokenizer.text
+            if not (state.stream or request.sampling_params.stop):
+                # decoded once, at the end, off the per-step path
+                state.detokenizer.add_tokens(
+                    request.output_token_ids, stop_terminated=_stopped_by_token(request)
+                )
+            text = state.detokenizer.text
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
+            error=request.error if finished else None,
         )
         return RequestOutput(
             request_id=request.request_id, prompt=state.prompt,
@@ -297,10 +316,30 @@ class LLMEngine:
 
 
 def _eos_ids(arch_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
-    ids = set(arch_eos)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
+    """The model's EOS ids, the primary one (the tokenizer's, as vLLM) first.
+
+    The others (a generation config may list several) stop a request as stop tokens do,
+    with themselves as ``stop_reason``; see ``core/request.py``."""
+    primary = getattr(tokenizer, "eos_token_id", None)
+    ids = [primary] if isinstance(primary, int) else []
+    return tuple(dict.fromkeys([*ids, *arch_eos]))
+
+
+def _stopped_by_token(request: Request) -> bool:
+    """Ended by EOS or a stop token id (not a stop string): its text is left out."""
+    return request.status is RequestStatus.FINISHED_STOPPED and not isinstance(
+        request.stop_reason, str
+    )
+
+
+def _check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            "stop_token_ids",
+        )
 
 
 def _cache_salt(prompt: PromptInput) -> str | None:
@@ -316,8 +355,13 @@ def _check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     if not isinstance(token_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in token_ids
     ):
-        raise ValueError("prompt_token_ids must be a list of integers")
+        raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"token id(s) {bad[:5]} are outside the vocabulary (size {vocab_size})")
+        # vLLM's wording ("Token id N is out of vocabulary"), plus the size.
+        raise InvalidRequestError(
+            f"Token id {bad[0]} is out of vocabulary (the prompt's token ids must be below "
+            f"the vocabulary size, {vocab_size})",
+            "prompt",
+        )
     return list(token_ids)

@@ -19,6 +19,12 @@ class EngineDeadError(RuntimeError):
     """The engine failed while the request was in flight, or has stopped for good."""
 
 
+class RequestFailedError(EngineDeadError):
+    """This request alone failed during a step (finish_reason "error"); the engine and
+    the other requests go on. A subclass of EngineDeadError so that callers that report
+    an engine failure for their request (a 500, or an SSE error event) report this too."""
+
+
 class EngineShutdownError(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
 

@@ -1,4 +1,10 @@
-"""Turn a ``SchedulerOutput`` into the flat tensors one forward pass needs."""
+"""Turn a ``SchedulerOutput`` into the flat tensors one forward pass needs.
+
+Given ``vocab_size`` and ``num_kv_blocks``, the builder also checks every request's token
+ids and block ids (vectorised, on the flat arrays) and raises :class:`InvalidInputsError`
+naming the requests whose inputs the model cannot run, so the runner can fail those
+alone instead of the whole step.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,14 @@ from inflight.attention.metadata import (
 from inflight.core.interface import ScheduledRequest, SchedulerOutput
 
 
+class InvalidInputsError(ValueError):
+    """Some requests' inputs are out of range; ``reasons`` maps request id -> why."""
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{rid}: {why}" for rid, why in reasons.items()))
+        self.reasons = reasons
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInputs:
     input_ids: torch.Tensor  # [T]
@@ -29,9 +43,13 @@ class ModelInputs:
 def build_model_inputs(
     scheduler_output: SchedulerOutput, block_size: int, device: torch.device,
     varlen_decode: bool = False, varlen_prefill: bool = False,
+    vocab_size: int | None = None, num_kv_blocks: int | None = None,
 ) -> ModelInputs:
     """Flat inputs for one step; ``varlen_*`` route a group to the C++ varlen kernel (with
-    ``varlen_decode`` alone, prompt chunks go to it too when they are all short)."""
+    ``varlen_decode`` alone, prompt chunks go to it too when they are all short).
+
+    Raises :class:`InvalidInputsError` for requests with a token id outside
+    ``[0, vocab_size)`` or a block id outside ``[0, num_kv_blocks)``."""
     items = scheduler_output.scheduled
     lengths = np.fromiter((s.num_tokens for s in items), dtype=np.int64, count=len(items))
     starts = np.fromiter((s.start_position for s in items), dtype=np.int64, count=len(items))
@@ -47,6 +65,7 @@ def build_model_inputs(
     positions = starts[seq_of_token] + (np.arange(total) - query_start[seq_of_token])
 
     block_tables = _pad_block_tables(items)
+    _check_ranges(items, input_ids, seq_of_token, block_tables, vocab_size, num_kv_blocks)
     block_of_token = block_tables[seq_of_token, positions // block_size]
     slot_mapping = block_of_token * block_size + positions % block_size
 
@@ -101,6 +120,32 @@ def build_model_inputs(
         logits_indices=to_device(logits_indices),
         sampled=sampled,
     )
+
+
+def _check_ranges(
+    items: list[ScheduledRequest], input_ids: np.ndarray, seq_of_token: np.ndarray,
+    block_tables: np.ndarray, vocab_size: int | None, num_kv_blocks: int | None,
+) -> None:
+    """Raise InvalidInputsError naming each request whose ids the model cannot index."""
+    reasons: dict[str, str] = {}
+    if vocab_size is not None:
+        bad_tokens = (input_ids < 0) | (input_ids >= vocab_size)
+        if bad_tokens.any():
+            for token, row in zip(input_ids[bad_tokens], seq_of_token[bad_tokens], strict=True):
+                reasons.setdefault(
+                    items[row].request_id,
+                    f"Token id {int(token)} is out of vocabulary (size {vocab_size})",
+                )
+    if num_kv_blocks is not None:
+        # Padding is 0, always a valid block id.
+        bad_rows = ((block_tables < 0) | (block_tables >= num_kv_blocks)).any(axis=1)
+        for row in np.nonzero(bad_rows)[0]:
+            reasons.setdefault(
+                items[row].request_id,
+                f"block ids {items[row].block_ids} are outside the KV cache ({num_kv_blocks})",
+            )
+    if reasons:
+        raise InvalidInputsError(reasons)
 
 
 # Prompt chunks that continue a prompt (chunked prefill): PyTorch's flash SDPA over the

@@ -2,9 +2,17 @@
 
 execute_model: build flat inputs -> forward over all scheduled tokens (paged attention)
 -> logits only at each sampling sequence's last token -> batched sampling.
+
+Failure isolation: a request whose part of the step cannot be prepared (its inputs, its
+sampler state) is left out of the step and reported in ``ModelRunnerOutput.failed_requests``;
+the scheduler ends it alone and every other request's tokens are computed as usual. A
+failure that no single request explains (the forward pass itself) still raises.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import torch
 
@@ -12,9 +20,11 @@ from inflight.attention.backend import choose_attention_backend
 from inflight.core.interface import ModelRunnerOutput, SchedulerOutput
 from inflight.engine.step_timings import StepTimings
 from inflight.model.llama import LlamaForCausalLM
-from inflight.worker.input_batch import build_model_inputs
+from inflight.worker.input_batch import InvalidInputsError, ModelInputs, build_model_inputs
 from inflight.worker.kv_cache import allocate_kv_cache, populate
 from inflight.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -26,6 +36,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(model.arch, num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler(device)
         backend = choose_attention_backend(device)
@@ -42,20 +53,67 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         with self.timings.measure("prepare_inputs_s"):
-            inputs = build_model_inputs(
-                scheduler_output, self.block_size, self.device,
-                varlen_decode=self.varlen_decode, varlen_prefill=self.varlen_prefill,
-            )
+            inputs, failed = self._prepare_inputs(scheduler_output)
+        if inputs is None:
+            return ModelRunnerOutput(sampled_token_ids={}, failed_requests=failed)
         with self.timings.measure("forward_s"):
             hidden = self.model(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention
             )
             if not inputs.sampled:
-                return ModelRunnerOutput(sampled_token_ids={})
+                return ModelRunnerOutput(sampled_token_ids={}, failed_requests=failed)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         request_ids = [s.request_id for s in inputs.sampled]
         with self.timings.measure("sample_s"):
-            tokens = self.sampler.sample(
-                logits, request_ids, [s.sampling_params for s in inputs.sampled]
+            suppressed = [s.suppressed_token_ids for s in inputs.sampled]
+            sampled = self.sampler.sample(
+                logits, request_ids, [s.sampling_params for s in inputs.sampled],
+                suppressed if any(suppressed) else None,
             )
-        return ModelRunnerOutput(sampled_token_ids=dict(zip(request_ids, tokens, strict=True)))
+        failed.update(sampled.failed)
+        tokens = {
+            rid: token
+            for rid, token in zip(request_ids, sampled.token_ids, strict=True)
+            if rid not in failed
+        }
+        return ModelRunnerOutput(sampled_token_ids=tokens, failed_requests=failed)
+
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[ModelInputs | None, dict[str, str]]:
+        """The step's inputs without the requests whose inputs cannot be built (reported
+        by id with the reason); None if no request is left."""
+        failed: dict[str, str] = {}
+        step = scheduler_output
+        while step.scheduled:
+            try:
+                return self._build(step), failed
+            except InvalidInputsError as error:
+                failed.update(error.reasons)
+            except Exception:
+                culprits = self._find_failing_requests(step)
+                if not culprits:
+                    raise  # not any one request's fault
+                failed.update(culprits)
+            step = dataclasses.replace(
+                step, scheduled=[s for s in step.scheduled if s.request_id not in failed]
+            )
+        return None, failed
+
+    def _build(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        return build_model_inputs(
+            scheduler_output, self.block_size, self.device,
+            varlen_decode=self.varlen_decode, varlen_prefill=self.varlen_prefill,
+            vocab_size=self.model.arch.vocab_size, num_kv_blocks=self.num_blocks,
+        )
+
+    def _find_failing_requests(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
+        """Build each request's inputs alone; the ones that raise are at fault."""
+        culprits: dict[str, str] = {}
+        for item in scheduler_output.scheduled:
+            try:
+                self._build(dataclasses.replace(scheduler_output, scheduled=[item]))
+            except Exception as error:
+                logger.exception("preparing the inputs of request %s failed", item.request_id)
+                culprits[item.request_id] = f"preparing the request's inputs failed: {error}"
+        return culprits

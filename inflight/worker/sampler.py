@@ -4,13 +4,33 @@ Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min
 draw with the exponential-race trick (argmax of p / Exp(1) noise), which is one batched
 op; rows with a ``seed`` draw their noise from their own generator so their tokens do
 not depend on what else is in the batch.
+
+Before either, ``suppressed`` token ids (stop and EOS ids of requests below their
+``min_tokens``) are set to -inf in one indexed write for the whole batch; rows without
+any are untouched, so their tokens are exactly what they would be otherwise.
+
+A row whose own sampler state cannot be made (its seeded generator) fails alone: it is
+reported in ``SamplerOutput.failed`` and the other rows' tokens are unaffected.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
 from inflight.sampling_params import SamplingParams
+
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; reducing modulo 2**64 gives the
+# very same stream for every seed in that range and can never overflow.
+_SEED_MODULUS = 2**64
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row; a failed row's entry is meaningless
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed
 
 
 class Sampler:
@@ -23,10 +43,15 @@ class Sampler:
             self._generators.pop(request_id, None)
 
     def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-    ) -> list[int]:
-        """logits: [N, V] float32, one row per sampled sequence. Returns N token ids."""
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        suppressed: Sequence[Sequence[int]] | None = None,
+    ) -> SamplerOutput:
+        """logits: [N, V] float32, one row per sampled sequence; ``suppressed[i]``: token
+        ids row i may not produce. Returns N token ids and the rows that failed."""
+        if suppressed is not None:
+            logits = _suppress(logits, suppressed)
         tokens = logits.max(dim=-1).indices  # first maximum, like argmax; ~2x faster on CPU
+        failed: dict[str, str] = {}
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -34,12 +59,14 @@ class Sampler:
                 logits[rows],
                 [request_ids[i] for i in random_rows],
                 [params[i] for i in random_rows],
+                failed,
             )
             tokens[rows] = chosen
-        return tokens.tolist()
+        return SamplerOutput(tokens.tolist(), failed)
 
     def _sample_random(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        failed: dict[str, str],
     ) -> torch.Tensor:
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temperature.unsqueeze(1)
@@ -49,16 +76,32 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()
         for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
             if p.seed is not None:
-                noise[row].exponential_(generator=self._generator(request_id, p.seed))
+                try:
+                    noise[row].exponential_(generator=self._generator(request_id, p.seed))
+                except Exception as error:  # this request's own state: fail it alone
+                    self._generators.pop(request_id, None)
+                    failed[request_id] = f"could not prepare the sampler for seed={p.seed}: {error}"
         return (probs / noise).argmax(dim=-1)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._generators.get(request_id)
         if generator is None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
+            generator.manual_seed(seed % _SEED_MODULUS)
             self._generators[request_id] = generator
         return generator
+
+
+def _suppress(logits: torch.Tensor, suppressed: Sequence[Sequence[int]]) -> torch.Tensor:
+    """-inf at each row's suppressed ids, in one indexed write; a no-op if none."""
+    rows = [row for row, ids in enumerate(suppressed) for _ in ids]
+    if not rows:
+        return logits
+    cols = [token for ids in suppressed for token in ids]
+    logits = logits.clone()
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype))
+    return logits
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -24,7 +24,7 @@ def test_bad_requests_are_rejected_and_others_keep_running() -> None:
 
     with pytest.raises(ValueError, match="empty"):
         scheduler.add_request(Spec("empty", ()).make())
-    with pytest.raises(ValueError, match=r"33 tokens.*max_model_len=32"):
+    with pytest.raises(ValueError, match=r"prompt \(length 33\).*maximum model length of 32"):
         scheduler.add_request(Spec("long", tuple(range(33)), max_tokens=1).make())
     with pytest.raises(ValueError, match=r"KV blocks.*whole cache has 4"):
         # 6 + 20 - 1 = 25 tokens need 7 blocks of 4; the cache has 4.
@@ -160,7 +160,7 @@ def test_eos_stops_with_reason_stop() -> None:
     tokens = free_run()
     out, reason, result = run_one(Spec("a", PROMPT, max_tokens=12, eos=(tokens[3],)))
     assert out == tokens[:4] and reason == "stop"
-    assert result.stop_reasons["a"] == tokens[3]
+    assert result.stop_reasons["a"] is None  # vLLM: stop_reason is None for EOS
 
 
 def test_ignore_eos_runs_to_max_tokens() -> None:
@@ -197,9 +197,13 @@ def test_generation_is_capped_by_max_model_len(max_tokens: int | None) -> None:
     assert out == free_run()[:4] and reason == "length"
 
 
-def test_prompt_of_exactly_max_model_len_gets_one_token() -> None:
-    out, reason, _ = run_one(Spec("a", PROMPT, max_tokens=None), max_model_len=len(PROMPT))
-    assert out == free_run()[:1] and reason == "length"
+def test_prompt_of_exactly_max_model_len_is_rejected() -> None:
+    # vLLM: no room for even one output token is an error, in its words.
+    scheduler = make_scheduler(max_model_len=len(PROMPT))
+    with pytest.raises(ValueError, match=r"prompt \(length 6\) plus the number of requested "
+                       r"output tokens \(at least 1\) is longer than the maximum model length of 6"):
+        scheduler.add_request(Spec("a", PROMPT, max_tokens=None).make())
+    assert not scheduler.requests
 
 
 def test_request_max_model_len_is_clamped_to_the_config() -> None:

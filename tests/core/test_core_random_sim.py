@@ -42,7 +42,8 @@ def blocks_for(spec: Spec, max_model_len: int, block_size: int) -> int:
 def draw_spec(
     rng: random.Random, index: int, max_model_len: int, earlier: Sequence[Spec] = ()
 ) -> Spec:
-    length = rng.randint(1, min(80, max_model_len))
+    # A prompt of max_model_len tokens is rejected (no room for an output token), as in vLLM.
+    length = rng.randint(1, min(80, max_model_len - 1))
     prompt = tuple(rng.randrange(0, 3000) for _ in range(length))
     if earlier and rng.random() < 0.5:  # share a prefix with an earlier prompt (prefix cache)
         base = rng.choice(earlier).prompt

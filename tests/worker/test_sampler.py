@@ -15,7 +15,7 @@ def sample_many(params: SamplingParams, draws: int = 4000) -> torch.Tensor:
     sampler = Sampler(torch.device("cpu"))
     logits = LOGITS.repeat(draws, 1)
     ids = [f"r{i}" for i in range(draws)]
-    return torch.tensor(sampler.sample(logits, ids, [params] * draws))
+    return torch.tensor(sampler.sample(logits, ids, [params] * draws).token_ids)
 
 
 def test_greedy_is_argmax():
@@ -88,3 +88,47 @@ def test_stop_string_truncates_text(tiny_llama_dir, include):
     prefix = free.text[: free.text.index(stop) + (len(stop) if include else 0)]
     assert out.text == prefix
     assert len(out.token_ids) == 6
+
+
+# ---------------------------------------------------------------- min_tokens, failures
+
+
+def test_suppressed_ids_are_never_sampled_and_other_rows_are_untouched():
+    sampler = Sampler(torch.device("cpu"))
+    logits = LOGITS.repeat(3, 1)
+    greedy = SamplingParams(temperature=0.0)
+    # Row 0 may not end (5 and 0 are its stop ids); rows 1 and 2 have nothing suppressed.
+    out = sampler.sample(logits, ["a", "b", "c"], [greedy] * 3, [(5, 0), (), ()])
+    assert out.token_ids == [1, 5, 5] and not out.failed
+    assert torch.equal(logits, LOGITS.repeat(3, 1))  # the caller's logits are not changed
+    random = SamplingParams(temperature=1.0)
+    drawn = sampler.sample(LOGITS.repeat(2000, 1), [f"r{i}" for i in range(2000)],
+                           [random] * 2000, [(5, 0)] * 2000).token_ids
+    assert not {5, 0} & set(drawn)
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), -1, 0])
+def test_any_accepted_seed_makes_a_generator_that_repeats(seed):
+    params = SamplingParams(temperature=1.0, seed=seed)
+    draws = [Sampler(torch.device("cpu")).sample(LOGITS.repeat(1, 1), ["a"], [params])
+             for _ in range(2)]
+    assert draws[0] == draws[1] and not draws[0].failed
+
+
+def test_a_row_whose_generator_cannot_be_made_fails_alone(monkeypatch):
+    sampler = Sampler(torch.device("cpu"))
+    original = Sampler._generator
+
+    def broken(self, request_id, seed):
+        if request_id == "bad":
+            raise OverflowError("injected")
+        return original(self, request_id, seed)
+
+    monkeypatch.setattr(Sampler, "_generator", broken)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    ids = ["good", "bad", "greedy"]
+    params = [seeded, seeded, SamplingParams(temperature=0.0)]
+    out = sampler.sample(LOGITS.repeat(3, 1), ids, params)
+    assert set(out.failed) == {"bad"} and "injected" in out.failed["bad"]
+    alone = Sampler(torch.device("cpu")).sample(LOGITS, ["good"], [seeded])
+    assert out.token_ids[0] == alone.token_ids[0] and out.token_ids[2] == 5

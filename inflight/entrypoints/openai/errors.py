@@ -113,6 +113,7 @@ def from_engine_error(error: Exception) -> OpenAIError:
         param = message.split(" ", 1)[0]
     elif any(word in message for word in ("prompt", "token id", "max_model_len", "KV blocks")):
         param = "prompt"
+    param = getattr(error, "parameter", None) or param  # InvalidRequestError names it
     code = "context_length_exceeded" if "max_model_len" in message else None
     return bad_request(message, param, code)
 
