@@ -2,7 +2,9 @@
 
 from inflight.entrypoints.llm import LLM
 from inflight.outputs import CompletionOutput, RequestOutput
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+]
 __version__ = "0.1.0"

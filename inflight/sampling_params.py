@@ -5,6 +5,7 @@ Pure Python (no torch): the scheduler reads the stop-related fields.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
@@ -67,6 +68,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
 
+    # --- structured outputs (constrained decoding); see StructuredOutputsParams below.
+    structured_outputs: StructuredOutputsParams | None = None
+    # --- end structured outputs
+
     # Filled by the engine, not the user: the model's end-of-sequence ids.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -77,6 +82,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):  # e.g. from_dict / JSON bodies
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     @classmethod
@@ -141,6 +148,106 @@ class SamplingParams:
             _check_number(name, value)
             if value != neutral:
                 _fail(name, f"{name} is not supported yet (got {value})")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            _fail(
+                "structured_outputs",
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}",
+            )
+
+
+# ---------------------------------------------------------------- structured outputs
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's names); exactly one constraint is set.
+
+    * ``json``: a JSON schema (a dict, or its JSON text);
+    * ``regex``: a regular expression the whole output must match;
+    * ``choice``: the output is exactly one of these strings;
+    * ``grammar``: a context-free grammar, in Lark or GBNF (llama.cpp) syntax;
+    * ``json_object=True``: any JSON object.
+
+    ``disable_any_whitespace`` forbids whitespace between JSON tokens (by default any
+    JSON whitespace is allowed, as in vLLM). The shapes are checked here; whether a schema,
+    regex or grammar compiles is checked when the request is added to the engine. Both
+    raise :class:`InvalidRequestError` with ``parameter="structured_outputs"``.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as error:
+                _fail_structured(f"json is not valid JSON: {error}")
+        self._validate()
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> StructuredOutputsParams:
+        """Build from a plain dict (a request body), rejecting unknown field names."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            _fail_structured(f"unknown field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**options)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of json, regex, choice, grammar, json_object."""
+        return next(name for name in _CONSTRAINTS if self._is_set(name))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """Equal for equal constraints: the grammar cache's key."""
+        spec = getattr(self, self.kind)
+        text = spec if isinstance(spec, str) else _json.dumps(spec, sort_keys=True)
+        return self.kind, text, self.disable_any_whitespace
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return bool(value) if name == "json_object" else value is not None
+
+    def _validate(self) -> None:
+        chosen = [name for name in _CONSTRAINTS if self._is_set(name)]
+        if len(chosen) != 1:
+            _fail_structured(
+                f"exactly one of {', '.join(_CONSTRAINTS)} must be set, got "
+                f"{', '.join(chosen) if chosen else 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, dict):
+            _fail_structured(f"json must be a JSON schema object, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail_structured(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                _fail_structured(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                _fail_structured(f"{name} must be true or false, got {value!r}")
+
+
+def _fail_structured(message: str) -> NoReturn:
+    raise InvalidRequestError(f"StructuredOutputsParams: {message}", parameter="structured_outputs")
+
+# ---------------------------------------------------------------- end structured outputs
 
 
 def _fail(name: str, message: str) -> NoReturn:

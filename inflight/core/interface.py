@@ -62,6 +62,9 @@ class ModelRunnerOutput:
     # request id -> why preparing its part of the step failed (its sampler state, its
     # inputs). Only these requests end, with FINISHED_ERROR; the others' tokens are valid.
     failed_requests: dict[str, str] = field(default_factory=dict)
+    # Constrained requests whose grammar is complete with this step's token (nothing may
+    # follow): they finish with "stop", whatever the length limits say.
+    grammar_finished_request_ids: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,15 @@ Each call to :meth:`Scheduler.schedule` plans one step under a token budget:
 :meth:`Scheduler.update_from_output` then appends sampled tokens, applies stop
 conditions, registers blocks that became full in the prefix cache, and frees finished
 requests' blocks at once.
+
+A :class:`ReadinessCheck` may hold waiting requests back without the scheduler knowing
+why (the engine's: a request whose structured-output grammar is still compiling); the
+others are admitted past them.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from inflight.config import SchedulerConfig
 from inflight.core.batching import make_batching_policy
@@ -33,10 +39,20 @@ from inflight.core.slots import SlotTable
 from inflight.sampling_params import InvalidRequestError
 
 
+class ReadinessCheck(Protocol):
+    def is_ready(self, request: Request) -> bool:
+        """False while ``request`` may not be admitted yet (it stays waiting)."""
+        ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager,
+        readiness: ReadinessCheck | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.readiness = readiness
         self.waiting = make_request_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -181,6 +197,8 @@ class Scheduler:
         for request in self.batching.admissible(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if self.readiness is not None and not self.readiness.is_ready(request):
+                continue
             # Blocks of a prefix already in the cache are taken, not recomputed.
             prefix = self.kv_cache.find_cached_prefix(request)
             num_new = request.num_tokens - prefix.num_tokens
@@ -262,6 +280,8 @@ class Scheduler:
             token = sampled[item.request_id]
             request.append_output_token(token)
             status = request.check_stop()
+            if item.request_id in runner_output.grammar_finished_request_ids:
+                status = RequestStatus.FINISHED_STOPPED  # the output is complete
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

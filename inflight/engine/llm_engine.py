@@ -13,6 +13,11 @@ If preparing one request's part of a step fails all the same, that request alone
 with ``finish_reason="error"`` and the message in ``CompletionOutput.error`` (as vLLM's
 FINISHED_ERROR, the output is returned rather than raised, so ``LLM.generate`` still
 gives every other prompt its output); the other requests in the step go on unchanged.
+
+Structured outputs: ``add_request`` validates the constraint (a bad schema, regex or
+grammar raises there) and starts compiling its grammar on a background thread; the
+scheduler's readiness check keeps the request waiting until it is compiled while the
+other requests step on (see ``structured_output/manager.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class LLMEngine:
         import torch
 
         from inflight.model.loader import default_model_path, load_checkpoint
+        from inflight.structured_output import StructuredOutputManager
         from inflight.worker.device import (
             block_matmul_rows,
             build_model,
@@ -109,13 +115,19 @@ class LLMEngine:
         )
         del checkpoint
         self.timings = StepTimings()
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, arch.vocab_size, self.eos_token_ids
+        )
         self.runner = ModelRunner(
-            model, num_blocks, block_size, self.device, kv_dtype, self.timings
+            model, num_blocks, block_size, self.device, kv_dtype, self.timings,
+            structured_output=self.structured_output,
         )
         self.kv_cache = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache)
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv_cache, readiness=self.structured_output
+        )
         self.step_trace = StepTrace(enabled=config.record_trace)
         self._states: dict[str, _RequestState] = {}
         self._trace_origin = time.monotonic()
@@ -172,6 +184,8 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
         _check_stop_token_ids(params, self.vocab_size)
+        if params.structured_outputs is not None:
+            self.structured_output.validate(params.structured_outputs)
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = _cache_salt(prompt)
         now = time.monotonic()
@@ -182,6 +196,8 @@ class LLMEngine:
             priority=priority, max_model_len=self.max_model_len, cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
+        if params.structured_outputs is not None:
+            self.structured_output.add_request(request_id, params.structured_outputs)
         detokenizer = None
         if params.detokenize:
             detokenizer = IncrementalDetokenizer(
@@ -197,6 +213,7 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             if self.scheduler.abort_request(request_id) is not None:
+                self.structured_output.free([request_id])
                 state = self._states.pop(request_id)
                 state.metrics.finished_time = time.monotonic()
 
@@ -221,6 +238,8 @@ class LLMEngine:
         with self.timings.measure("schedule_s"):
             scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            # Nothing runnable: if grammars are compiling, wait for one (not spin).
+            self.structured_output.wait_for_compile(timeout=0.05)
             return []
         runner_output = self.runner.execute_model(scheduler_output)
         with self.timings.measure("update_s"):
@@ -244,7 +263,7 @@ class LLMEngine:
             logger.warning("request %s failed: %s", update.request_id, update.error)
         elif state.detokenizer is not None and (state.stream or state.request.sampling_params.stop):
             stop = state.detokenizer.add_tokens(
-                update.new_token_ids, stop_terminated=finished and update.finish_reason == "stop"
+                update.new_token_ids, stop_terminated=finished and _stopped_by_token(state.request)
             )
             if stop is not None:
                 # A stop string wins even when the same token also hit EOS or the length limit.
@@ -254,6 +273,7 @@ class LLMEngine:
                 state.request.stop_reason = stop
                 finished = True
         if finished:
+            self.structured_output.free([update.request_id])
             metrics.finished_time = now
             metrics.num_preemptions = state.request.num_preemptions
             del self._states[update.request_id]
@@ -326,10 +346,14 @@ def _eos_ids(arch_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
 
 
 def _stopped_by_token(request: Request) -> bool:
-    """Ended by EOS or a stop token id (not a stop string): its text is left out."""
-    return request.status is RequestStatus.FINISHED_STOPPED and not isinstance(
+    """Ended by EOS or a stop token id (not a stop string, nor a complete structured
+    output, whose last token is part of it): that token's text is left out."""
+    if request.status is not RequestStatus.FINISHED_STOPPED or isinstance(
         request.stop_reason, str
-    )
+    ) or not request.output_token_ids:
+        return False
+    last = request.output_token_ids[-1]
+    return last in request.eos_token_ids or last in request.stop_token_ids
 
 
 def _check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:

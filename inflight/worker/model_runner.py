@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,10 @@ from inflight.model.llama import LlamaForCausalLM
 from inflight.worker.input_batch import InvalidInputsError, ModelInputs, build_model_inputs
 from inflight.worker.kv_cache import allocate_kv_cache, populate
 from inflight.worker.sampler import Sampler
+from inflight.worker.structured_output import mask_constrained_rows
+
+if TYPE_CHECKING:
+    from inflight.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,7 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
         device: torch.device, kv_dtype: torch.dtype, timings: StepTimings | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.timings = timings if timings is not None else StepTimings()
         self.model = model
@@ -39,6 +45,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(model.arch, num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler(device)
+        self.structured_output = structured_output
         backend = choose_attention_backend(device)
         self.varlen_decode = backend in ("cpp", "cpp-all")
         self.varlen_prefill = backend == "cpp-all"
@@ -65,6 +72,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         request_ids = [s.request_id for s in inputs.sampled]
         with self.timings.measure("sample_s"):
+            # structured outputs: -inf where a constrained row's grammar forbids a token.
+            # Applied before the sampler as in vLLM; -inf masks commute with the
+            # penalties and the min_tokens mask, so the order among them is immaterial.
+            if self.structured_output is not None:
+                failed.update(mask_constrained_rows(
+                    self.structured_output, logits, request_ids,
+                    [s.sampling_params for s in inputs.sampled],
+                ))
             suppressed = [s.suppressed_token_ids for s in inputs.sampled]
             sampled = self.sampler.sample(
                 logits, request_ids, [s.sampling_params for s in inputs.sampled],
@@ -76,7 +91,15 @@ class ModelRunner:
             for rid, token in zip(request_ids, sampled.token_ids, strict=True)
             if rid not in failed
         }
-        return ModelRunnerOutput(sampled_token_ids=tokens, failed_requests=failed)
+        grammar_finished: set[str] = set()
+        if self.structured_output is not None:  # advance the matchers by the new tokens
+            grammar_finished, rejected = self.structured_output.accept_tokens(tokens)
+            failed.update(rejected)
+            tokens = {rid: t for rid, t in tokens.items() if rid not in rejected}
+        return ModelRunnerOutput(
+            sampled_token_ids=tokens, failed_requests=failed,
+            grammar_finished_request_ids=grammar_finished,
+        )
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
