@@ -48,12 +48,16 @@ def reference(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> 
 
 
 def rendered(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-    return render_chat(tokenizer, messages, ChatOptions(chat_template=ROLE_TEMPLATE, **kwargs)).prompt
+    return render_chat(
+        tokenizer, messages, ChatOptions(chat_template=ROLE_TEMPLATE, **kwargs)
+    ).prompt
 
 
 def test_text_parts_are_joined_with_newlines(tokenizer: Any) -> None:
     ours = rendered(tokenizer, [{"role": "user", "content": PARTS}])
-    expected = reference(tokenizer, [{"role": "user", "content": "w3 w4\nw5"}], add_generation_prompt=True)
+    expected = reference(
+        tokenizer, [{"role": "user", "content": "w3 w4\nw5"}], add_generation_prompt=True
+    )
     assert ours == expected
 
 
@@ -99,11 +103,17 @@ def test_message_forms(tokenizer: Any) -> None:
             {"add_generation_prompt": False, "continue_final_message": True},
             ["continue_final_message", "assistant"],
         ),
-        ([{"role": "user", "content": "w3"}], {"chat_template": "{{ raise_exception('no') }}"}, ["no"]),
+        (
+            [{"role": "user", "content": "w3"}],
+            {"chat_template": "{{ raise_exception('no') }}"},
+            ["no"],
+        ),
         ([], {}, ["non-empty"]),
     ],
 )
-def test_refused_forms(tokenizer: Any, messages: Any, options: dict[str, Any], words: list[str]) -> None:
+def test_refused_forms(
+    tokenizer: Any, messages: Any, options: dict[str, Any], words: list[str]
+) -> None:
     options = {"chat_template": ROLE_TEMPLATE} | options
     with pytest.raises(ValueError) as raised:
         render_chat(tokenizer, messages, ChatOptions(**options))
@@ -121,7 +131,9 @@ def test_continue_final_message_leaves_the_turn_open(tokenizer: Any) -> None:
     ours = render_chat(
         tokenizer,
         messages,
-        ChatOptions(chat_template=template, add_generation_prompt=False, continue_final_message=True),
+        ChatOptions(
+            chat_template=template, add_generation_prompt=False, continue_final_message=True
+        ),
     )
     expected = tokenizer.apply_chat_template(
         messages, chat_template=template, tokenize=False, continue_final_message=True
@@ -262,7 +274,9 @@ def test_server_template_errors_are_400s(tiny_server: ServerProcess) -> None:
     assert response.status_code == 400 and "no robots" in response.json()["error"]["message"]
 
 
-def test_server_response_fields(client: openai.OpenAI, offline: LLM, tiny_server: ServerProcess) -> None:
+def test_server_response_fields(
+    client: openai.OpenAI, offline: LLM, tiny_server: ServerProcess
+) -> None:
     messages = [{"role": "user", "content": "w3 w4"}]
     expected = offline.chat(messages, greedy(6), use_tqdm=False, chat_template=CHAT_TEMPLATE)[0]
     body = {

@@ -40,15 +40,21 @@ _VLLM_SHARED = """
     return_token_offsets return_mm_kwargs cache_salt kv_transfer_params ec_transfer_params
     vllm_xargs repetition_detection stream_interval
 """.split()
-VLLM_COMPLETION_FIELDS = _VLLM_SHARED + """
+VLLM_COMPLETION_FIELDS = (
+    _VLLM_SHARED
+    + """
     prompt echo suffix prompt_embeds thinking_token_budget
 """.split()
-VLLM_CHAT_FIELDS = _VLLM_SHARED + """
+)
+VLLM_CHAT_FIELDS = (
+    _VLLM_SHARED
+    + """
     messages top_logprobs max_completion_tokens tools tool_choice reasoning_effort
     thinking_token_budget include_reasoning parallel_tool_calls echo add_generation_prompt
     continue_final_message documents chat_template chat_template_kwargs media_io_kwargs
     mm_processor_kwargs return_prompt_text
 """.split()
+)
 
 OPENAI_COMPLETION_FIELDS = set(completion_create_params.CompletionCreateParamsBase.__annotations__)
 OPENAI_COMPLETION_FIELDS |= set(
@@ -100,7 +106,9 @@ IMPLEMENTED_COMPLETION = IMPLEMENTED_SHARED | {
     "add_special_tokens": {"add_special_tokens": False},
 }
 IMPLEMENTED_CHAT = IMPLEMENTED_SHARED | {
-    "messages": {"messages": [{"role": "system", "content": "w5"}, {"role": "user", "content": "w3"}]},
+    "messages": {
+        "messages": [{"role": "system", "content": "w5"}, {"role": "user", "content": "w3"}]
+    },
     "max_completion_tokens": {"max_completion_tokens": 3},
     "parallel_tool_calls": {"parallel_tool_calls": False},
     "include_reasoning": {"include_reasoning": False},

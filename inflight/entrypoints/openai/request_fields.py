@@ -88,9 +88,7 @@ _SHARED: dict[str, Treatment] = {
     "stop_token_ids": Implemented("token ids that end the request"),
     "include_stop_str_in_output": Implemented("keep the stop string in the text"),
     "skip_special_tokens": Implemented("drop special tokens from the text"),
-    "spaces_between_special_tokens": Refused(
-        "only the default (true) is supported", equals(True)
-    ),
+    "spaces_between_special_tokens": Refused("only the default (true) is supported", equals(True)),
     "use_beam_search": Refused(f"beam search is {_LATER}"),
     "length_penalty": Refused("length_penalty only applies to beam search", equals(1)),
     "watermarking": Refused("watermarking is not supported"),
@@ -148,7 +146,9 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
     "web_search_options": Refused("this server has no web search"),
     "verbosity": Refused("this model has no verbosity setting"),
     "moderation": Refused("this server has no moderation"),
-    "metadata": Implemented("accepted: tags for stored completions, which this server keeps none of"),
+    "metadata": Implemented(
+        "accepted: tags for stored completions, which this server keeps none of"
+    ),
     "store": Implemented("accepted: this server stores no completions"),
     "service_tier": Implemented("accepted: there is one processing tier"),
     "prompt_cache_key": Implemented("accepted: a cache routing hint, no effect on output"),
@@ -158,7 +158,9 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
     "echo": Implemented("the last message's content before the answer, if it has the same role"),
     "add_generation_prompt": Implemented("open an assistant turn after the messages"),
     "continue_final_message": Implemented("leave the final assistant message open"),
-    "add_special_tokens": Implemented("add the tokenizer's special tokens on top of the template's"),
+    "add_special_tokens": Implemented(
+        "add the tokenizer's special tokens on top of the template's"
+    ),
     "documents": Implemented("passed to the chat template"),
     "chat_template": Implemented("a Jinja template overriding the model's"),
     "chat_template_kwargs": Implemented("passed to the chat template"),

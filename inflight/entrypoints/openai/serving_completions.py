@@ -97,7 +97,9 @@ def _tokenize(state: ServerState, request: CompletionRequest) -> list[Prompt]:
     else:
         items = list(prompt)  # type: ignore[arg-type]
     if not items or items == [""]:
-        raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        raise bad_request(
+            "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+        )
     tokenizer = state.engine.tokenizer
     prompts: list[Prompt] = []
     for item in items:
