@@ -22,7 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         parser.add_argument("--model", default=None,
                             help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: float32 on the CPU, bfloat16 on CUDA; float16 needs --device cuda")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
     group.add_argument(
         "--quantization", default=None, choices=["gguf", "none"],
