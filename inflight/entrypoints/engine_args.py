@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", default=True)
+    group.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV blocks of prompt prefixes seen before (on by default, as in vLLM)",
+    )
     group.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
     group.add_argument("--batching", default="continuous", choices=list(BATCHING_MODES),
                        help="continuous (default) or the static-batching baseline")
@@ -57,6 +61,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, batching=args.batching,
     )
     if args.kv_cache_memory_bytes is not None:

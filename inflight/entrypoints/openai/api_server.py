@@ -4,6 +4,7 @@ Routes::
 
     POST /v1/completions  POST /v1/chat/completions  GET /v1/models   (API key, when set)
     GET /health  GET /metrics  GET /version  POST /tokenize  POST /detokenize
+    POST /reset_prefix_cache
 
 The app's lifespan starts the engine thread on uvicorn's event loop and stops it last.
 Graceful shutdown (SIGTERM or SIGINT): uvicorn stops accepting and waits for the open
@@ -136,6 +137,19 @@ def _service_router(state: ServerState, version: str) -> APIRouter:
     @router.get("/version")
     async def version_route() -> Response:
         return JSONResponse({"version": version})
+
+    @router.post(
+        "/reset_prefix_cache", dependencies=[Depends(_api_key_check(state.config.api_key))]
+    )
+    async def reset_prefix_cache() -> Response:
+        # vLLM's route; refused (409) while requests hold blocks, as LLM.reset_prefix_cache.
+        if not await state.engine.reset_prefix_cache():
+            raise OpenAIError(
+                409,
+                "The prefix cache cannot be reset while requests hold KV blocks; retry when idle.",
+                "invalid_request_error",
+            )
+        return Response(status_code=200)
 
     @router.post("/tokenize")
     async def tokenize(raw: Request) -> Response:

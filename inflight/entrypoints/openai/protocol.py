@@ -203,11 +203,14 @@ class UsageInfo(_Response):
     prompt_tokens_details: dict[str, int] | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+        served from the prefix cache."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details={"cached_tokens": cached_tokens},
         )
 
 

@@ -109,7 +109,7 @@ _SHARED: dict[str, Treatment] = {
         "accepted: vLLM reads it on its render endpoints only, as here"
     ),
     "return_mm_kwargs": Implemented("accepted: vLLM reads it on its render endpoints only"),
-    "cache_salt": Implemented("accepted: there is no prefix cache to salt, so nothing is shared"),
+    "cache_salt": Implemented("mixed into the prefix-cache hash: only requests with the same salt share cached blocks"),
     "kv_transfer_params": Refused(_NO_DISAGG),
     "ec_transfer_params": Refused(_NO_DISAGG),
     "vllm_xargs": Refused("this server has no custom extensions to read it"),

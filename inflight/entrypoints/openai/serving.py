@@ -94,6 +94,7 @@ async def add_requests(
     params: SamplingParams,
     priority: int,
     arrival_time: float,
+    cache_salt: str | None = None,
 ) -> list[RequestStream]:
     """Add one engine request per prompt; all or none are kept.
 
@@ -107,7 +108,7 @@ async def add_requests(
             streams.append(
                 await engine.add_request(
                     f"{base_id}-{index}-{suffix}",
-                    {"prompt": text, "prompt_token_ids": token_ids},
+                    {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": cache_salt},
                     params,
                     priority=priority,
                     arrival_time=arrival_time,

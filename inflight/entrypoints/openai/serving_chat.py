@@ -86,6 +86,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         params,
         request.priority,
         arrival_time,
+        request.cache_salt,
     )
     reply = _reply(request, request_id, model, rendered, token_ids)
     if request.stream:
@@ -179,7 +180,9 @@ async def _complete(reply: _Reply, stream: RequestStream) -> Response:
             id=reply.request_id,
             model=reply.model,
             choices=[choice],
-            usage=UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens),
+            usage=UsageInfo.of(
+                last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens
+            ),
             prompt_token_ids=reply.prompt_token_ids,
             prompt_text=reply.prompt_text,
         )
@@ -213,7 +216,9 @@ async def _stream(
         if reply.echo:
             yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=reply.echo))])
         async for delta in stream:
-            usage = UsageInfo.of(delta.num_prompt_tokens, delta.num_output_tokens)
+            usage = UsageInfo.of(
+                delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
+            )
             yield chunk(
                 [
                     ChatChunkChoice(

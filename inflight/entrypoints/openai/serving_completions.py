@@ -61,6 +61,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         params,
         request.priority,
         arrival_time,
+        request.cache_salt,
     )
     echoes = [_echo_text(state, p) if request.echo else "" for p in prompts]
     prompt_ids = [ids for _, ids in prompts] if request.return_token_ids else None
@@ -148,12 +149,13 @@ async def _complete(reply: _Reply, streams: list[RequestStream]) -> Response:
     ]
     prompt_tokens = sum(last.num_prompt_tokens for _, _, last in results)
     completion_tokens = sum(last.num_output_tokens for _, _, last in results)
+    cached_tokens = sum(last.num_cached_tokens for _, _, last in results)
     return json_response(
         CompletionResponse(
             id=reply.request_id,
             model=reply.model,
             choices=choices,
-            usage=UsageInfo.of(prompt_tokens, completion_tokens),
+            usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens),
         )
     )
 
@@ -166,14 +168,16 @@ async def _stream(
     first = [True] * len(streams)
     prompt_tokens = [0] * len(streams)
     completion_tokens = [0] * len(streams)
+    cached_tokens = [0] * len(streams)
 
     def totals() -> UsageInfo:
-        return UsageInfo.of(sum(prompt_tokens), sum(completion_tokens))
+        return UsageInfo.of(sum(prompt_tokens), sum(completion_tokens), sum(cached_tokens))
 
     try:
         async for index, delta in merge_streams(streams):
             prompt_tokens[index] = delta.num_prompt_tokens
             completion_tokens[index] = delta.num_output_tokens
+            cached_tokens[index] = delta.num_cached_tokens
             want_ids = reply.prompt_token_ids is not None
             choice = CompletionChoice(
                 index=index,
