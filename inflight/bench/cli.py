@@ -14,7 +14,9 @@ BENCH_MODULES = [
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks: throughput (offline), serve (online), workload (write one)")
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks: throughput (offline), serve (online), workload (write one)"
+    )
     bench_subparsers = parser.add_subparsers(dest="bench_command", required=True)
     for name in BENCH_MODULES:
         importlib.import_module(name).register(bench_subparsers)

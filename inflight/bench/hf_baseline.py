@@ -79,7 +79,9 @@ def run_transformers(
     records: list[StepRecord] = []
     latencies: list[RequestLatency] = []
     requests = workload.requests
-    batches = [requests[first : first + batch_size] for first in range(0, len(requests), batch_size)]
+    batches = [
+        requests[first : first + batch_size] for first in range(0, len(requests), batch_size)
+    ]
     bar = tqdm(
         total=sum(max(r.max_tokens for r in batch) for batch in batches),
         desc=f"transformers, {len(batches)} batch(es)",

@@ -77,9 +77,7 @@ def load_workload(
 
     if spec in workloads.NAMED_WORKLOADS:
         named = workloads.named(spec, rate).head(num_prompts)
-        return [
-            BenchRequest(r.prompt_token_ids, r.max_tokens, r.arrival_s) for r in named.requests
-        ]
+        return [BenchRequest(r.prompt_token_ids, r.max_tokens, r.arrival_s) for r in named.requests]
     if not Path(spec).is_file():
         raise FileNotFoundError(
             f"workload {spec!r} is neither one of {workloads.NAMED_WORKLOADS} nor a file"

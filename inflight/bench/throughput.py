@@ -266,7 +266,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_one(
-    planned: PlannedRun, workload: Any, args: argparse.Namespace, options: dict[str, Any], path: Path
+    planned: PlannedRun,
+    workload: Any,
+    args: argparse.Namespace,
+    options: dict[str, Any],
+    path: Path,
 ) -> Any:  # -> RunResult
     """One timed run, its trace (and profile) written next to the results file."""
     from inflight.engine.step_trace import StepTrace
