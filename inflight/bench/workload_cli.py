@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     workload = named(args.name, args.rate).head(args.num_prompts)
     if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         workload.write_jsonl(args.output)
         print(
             f"{args.output}: {len(workload.requests)} requests, {workload.num_prompt_tokens} "
