@@ -186,7 +186,8 @@ def batch_kv_figure(traces: Sequence[LabelledTrace]) -> Figure:
     bottom.set_title("KV cache blocks in use per step", fontsize=10, loc="left")
     if bottom.get_legend_handles_labels()[0]:
         bottom.legend(fontsize=9)
-    for ax in (top, bottom):  # counts of requests, blocks and steps: whole numbers
+    for ax in (top, bottom):  # counts of requests, blocks and steps: whole numbers, from 0
+        ax.set_ylim(0, max(1.0, ax.get_ylim()[1]))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
