@@ -62,7 +62,12 @@ def test_metrics_parse_and_count(tiny_server: ServerProcess) -> None:
     assert (
         httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=AUTH).status_code == 200
     )
-    after = scrape(tiny_server)
+    # The reply can reach us a moment before the engine thread publishes its last stats.
+    e2e = "inflight:e2e_request_latency_seconds_count"
+    after = wait_for(
+        tiny_server,
+        lambda s: s[e2e] > before[e2e] and s["inflight:num_requests_running"] == 0,
+    )
     assert after["inflight:prompt_tokens_total"] - before["inflight:prompt_tokens_total"] == 3
     generated = (
         after["inflight:generation_tokens_total"] - before["inflight:generation_tokens_total"]
@@ -89,7 +94,9 @@ def gated_server(tiny_llama_dir: Path) -> Iterator[InProcessServer]:
 
 
 def wait_for(
-    server: InProcessServer, done: Callable[[dict[str, float]], bool], timeout_s: float = 60.0
+    server: ServerProcess | InProcessServer,
+    done: Callable[[dict[str, float]], bool],
+    timeout_s: float = 60.0,
 ) -> dict[str, float]:
     """Scrape until ``done`` holds; the deadline only fails a server that never gets there."""
     deadline = time.monotonic() + timeout_s
