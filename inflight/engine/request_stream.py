@@ -41,6 +41,7 @@ class RequestDelta:
     finished: bool
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string, if any
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class RequestStream:
