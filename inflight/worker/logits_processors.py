@@ -159,11 +159,9 @@ class LogitsProcessors:
         params = [rows[i].params for i in picked]
         repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
         if bool((repetition != 1.0).any()):
-            prompt = torch.stack([
-                states[i].prompt_mask if states[i].prompt_mask is not None
-                else torch.zeros_like(counts[0], dtype=torch.bool)
-                for i in picked
-            ])
+            no_prompt = torch.zeros_like(counts[0], dtype=torch.bool)
+            masks = [states[i].prompt_mask for i in picked]
+            prompt = torch.stack([m if m is not None else no_prompt for m in masks])
             seen = prompt | (counts > 0)
             rep = repetition.unsqueeze(1)
             penalised = torch.where(values > 0, values / rep, values * rep)
