@@ -110,7 +110,6 @@ def test_out_of_range(tiny_server: ServerProcess, field: str, value: Any) -> Non
         ({"n": 2}, "n"),
         ({"logprobs": 1}, "logprobs"),
         ({"best_of": 3}, "best_of"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"min_tokens": 9}, "min_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": []}, "prompt"),
