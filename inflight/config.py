@@ -111,6 +111,13 @@ class ModelConfig:
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}",
         )
+        # The CPU kernels (fused RMSNorm, RoPE, GGUF matmul) take float32 and bfloat16 only:
+        # float16 would load, then fail on every step. Only an explicit CUDA device runs it.
+        _require(
+            self.dtype != "float16" or self.device.startswith("cuda"),
+            "dtype 'float16' runs on CUDA only (the CPU kernels take float32 and bfloat16): "
+            f"pass device 'cuda' (--device cuda) or another dtype (device is {self.device!r})",
+        )
         _require(
             self.quantization in QUANTIZATION_MODES,
             f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}",

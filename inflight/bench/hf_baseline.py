@@ -17,6 +17,7 @@ transformers' cache is not paged.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,14 @@ def run_transformers(
     dtype: str = "float32",
     warmup: bool = True,
     threads: int | None = None,
+    progress: bool | None = None,
 ) -> RunResult:
-    """Run ``workload`` through ``model.generate`` in static batches of ``batch_size``."""
+    """Run ``workload`` through ``model.generate`` in static batches of ``batch_size``.
+
+    ``progress``: a bar of generation steps on stderr (None: only if it is a terminal).
+    """
     import torch
+    from tqdm.auto import tqdm
 
     set_threads(threads)
 
@@ -73,12 +79,21 @@ def run_transformers(
     records: list[StepRecord] = []
     latencies: list[RequestLatency] = []
     requests = workload.requests
+    batches = [
+        requests[first : first + batch_size] for first in range(0, len(requests), batch_size)
+    ]
+    bar = tqdm(
+        total=sum(max(r.max_tokens for r in batch) for batch in batches),
+        desc=f"transformers, {len(batches)} batch(es)",
+        unit="step",
+        disable=None if progress is None else not progress,
+    )
     started = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), bar:
         for first in range(0, len(requests), batch_size):
             batch = requests[first : first + batch_size]
             batch_start = time.perf_counter()
-            stamps = _generate(hf, batch, batch_start)
+            stamps = _generate(hf, batch, batch_start, on_step=lambda: bar.update(1))
             waiting = len(requests) - first - len(batch)
             records += _batch_records(
                 batch, batch_size, stamps, batch_start, started, len(records), waiting
@@ -116,7 +131,12 @@ def run_transformers(
     return RunResult(report, records, folded)
 
 
-def _generate(hf: Any, batch: list[WorkloadRequest], batch_start: float) -> list[float]:
+def _generate(
+    hf: Any,
+    batch: list[WorkloadRequest],
+    batch_start: float,
+    on_step: Callable[[], object] = lambda: None,
+) -> list[float]:
     """One padded ``generate`` call; returns the end time of every step, checking lengths."""
     import torch
     from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -126,6 +146,7 @@ def _generate(hf: Any, batch: list[WorkloadRequest], batch_start: float) -> list
     class _Stamp(StoppingCriteria):  # called once per generated token, never stops
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
             stamps.append(time.perf_counter())
+            on_step()
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     width = max(len(r.prompt_token_ids) for r in batch)

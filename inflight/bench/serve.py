@@ -8,8 +8,13 @@ streamed chunks (inter-token latency, ITL), the mean time per output token after
 first (TPOT) and the end-to-end latency; it reports throughput and mean / median / P95 /
 P99 of each, and writes them as JSON.
 
-Workload lines: ``{"id", "prompt_token_ids" | "prompt", "max_tokens", "arrival_s"}``, run
-greedy with EOS ignored (``make_workload.py`` writes these).
+Workloads: the named ones of ``bench throughput`` (``seed8``, ``mixed``, ``online`` with
+its ``--rate``, ``single``), generated in-process, or a JSONL file of
+``{"id", "prompt_token_ids" | "prompt", "max_tokens", "arrival_s"}`` lines (what
+``inflight bench workload`` and ``make_workload.py`` write); run greedy with EOS ignored.
+
+The timed run holds the benchmark lock (see ``inflight.bench.lock``). A server that cannot
+be reached, or that refuses the API key, is reported in one line before anything is timed.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from pathlib import Path
 from typing import Any
 
 MS = 1000.0
+
+
+class ServerUnavailable(RuntimeError):
+    """The server cannot be benchmarked at all: unreachable, or it refuses our key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +69,23 @@ class RequestResult:
 # ---------------------------------------------------------------------- workloads
 
 
-def load_workload(path: str, num_prompts: int | None) -> list[BenchRequest]:
+def load_workload(
+    spec: str, num_prompts: int | None, rate: float | None = None
+) -> list[BenchRequest]:
+    """A named workload (generated in-process, with its own arrivals) or a JSONL file."""
+    from inflight.bench import workloads
+
+    if spec in workloads.NAMED_WORKLOADS:
+        named = workloads.named(spec, rate).head(num_prompts)
+        return [BenchRequest(r.prompt_token_ids, r.max_tokens, r.arrival_s) for r in named.requests]
+    if not Path(spec).is_file():
+        raise FileNotFoundError(
+            f"workload {spec!r} is neither one of {workloads.NAMED_WORKLOADS} nor a file"
+        )
+    return read_workload_file(spec, num_prompts)
+
+
+def read_workload_file(path: str, num_prompts: int | None) -> list[BenchRequest]:
     requests = []
     with open(path) as lines:
         for number, line in enumerate(lines, 1):
@@ -198,10 +223,7 @@ async def run_benchmark(
     async with httpx.AsyncClient(
         base_url=base_url, timeout=timeout, limits=limits, trust_env=False
     ) as client:
-        if model is None:
-            listing = await client.get("/v1/models", headers=headers)
-            listing.raise_for_status()
-            model = str(listing.json()["data"][0]["id"])
+        model = await check_server(client, base_url, model, headers)
         chat = "chat" in endpoint
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", disable=not show_progress, unit="req")
@@ -224,6 +246,49 @@ async def run_benchmark(
         finally:
             bar.close()
         return list(results), time.perf_counter() - start, model
+
+
+async def check_server(
+    client: Any, base_url: str, model: str | None, headers: dict[str, str]
+) -> str:
+    """``GET /v1/models`` before timing: reachable, key accepted; returns the model name.
+
+    Raises :class:`ServerUnavailable` with a one-line reason otherwise. A server without
+    the route is fine when ``model`` is given.
+    """
+    import httpx
+
+    try:
+        listing = await client.get("/v1/models", headers=headers)
+    except httpx.TransportError as error:
+        raise ServerUnavailable(
+            f"cannot reach the server at {base_url} ({type(error).__name__}: {error}); "
+            "is it running? (--base-url, or --host/--port)"
+        ) from None
+    if listing.status_code in (401, 403):
+        reason = _error_message(listing)
+        raise ServerUnavailable(
+            f"the server at {base_url} refused the API key (HTTP {listing.status_code}: "
+            f"{reason}); pass --api-key KEY or set OPENAI_API_KEY"
+        )
+    if listing.status_code == 200:
+        served = listing.json().get("data") or []
+        if model is None and served:
+            return str(served[0]["id"])
+    if model is None:
+        raise ServerUnavailable(
+            f"GET {base_url}/v1/models answered HTTP {listing.status_code} "
+            f"({_error_message(listing)}); pass --model NAME"
+        )
+    return model
+
+
+def _error_message(response: Any) -> str:
+    """OpenAI's ``error.message`` when the body has one, else the start of the body."""
+    try:
+        return str(response.json()["error"]["message"])
+    except Exception:  # noqa: BLE001 - any other body: show it as text
+        return response.text[:200].strip() or "no body"
 
 
 # ---------------------------------------------------------------------- the report
@@ -294,6 +359,16 @@ def format_report(summary: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- the command
 
 
+def _plan(requests: list[BenchRequest], base_url: str, endpoint: str) -> str:
+    known = [n for r in requests if (n := r.prompt_len) is not None]
+    return (
+        f"dry run: would send {len(requests)} requests to {base_url}{endpoint} over "
+        f"{max(r.arrival_s for r in requests):.1f} s of arrivals; "
+        f"{sum(known)} prompt tokens (token-id prompts), "
+        f"{sum(r.max_tokens for r in requests)} output tokens"
+    )
+
+
 def _rate(value: str) -> float:
     rate = float(value)
     if not rate > 0:
@@ -302,6 +377,8 @@ def _rate(value: str) -> float:
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    from inflight.bench.lock import add_lock_args
+
     parser = bench_subparsers.add_parser(
         "serve",
         help="load-test an OpenAI-compatible server (inflight's or another)",
@@ -332,7 +409,15 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "--dataset-path",
         dest="workload",
         default=None,
-        help="JSONL workload (make_workload.py format); default: synthetic",
+        help="seed8, mixed, online, single (generated in-process, as in bench "
+        "throughput) or a JSONL file (make_workload.py format); default: synthetic",
+    )
+    load.add_argument(
+        "--rate",
+        type=_rate,
+        default=None,
+        help="arrival rate (req/s) built into the 'online' workload's arrival_s "
+        "(default: 4.0, as in bench throughput)",
     )
     load.add_argument(
         "--num-prompts",
@@ -365,12 +450,20 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
     out.add_argument("--request-timeout", type=float, default=3600.0)
     out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the workload and schedule, print the plan, send nothing",
+    )
+    add_lock_args(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from inflight.bench.lock import bench_lock, lock_path
+
     if args.workload:
-        requests = load_workload(args.workload, args.num_prompts)
+        requests = load_workload(args.workload, args.num_prompts, args.rate)
     else:
         requests = synthetic_workload(
             args.num_prompts or 100,
@@ -385,19 +478,27 @@ def run(args: argparse.Namespace) -> int:
         rate = math.inf
     requests = schedule(requests, rate, args.seed)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if args.dry_run:
+        print(_plan(requests, base_url, args.endpoint))
+        return 0
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    results, duration, model = asyncio.run(
-        run_benchmark(
-            base_url,
-            args.endpoint,
-            args.model,
-            requests,
-            args.max_concurrency,
-            api_key,
-            args.request_timeout,
-            not args.disable_tqdm,
-        )
-    )
+    try:
+        with bench_lock(lock_path(args)):
+            results, duration, model = asyncio.run(
+                run_benchmark(
+                    base_url,
+                    args.endpoint,
+                    args.model,
+                    requests,
+                    args.max_concurrency,
+                    api_key,
+                    args.request_timeout,
+                    not args.disable_tqdm,
+                )
+            )
+    except ServerUnavailable as error:
+        print(f"inflight bench serve: error: {error}", file=sys.stderr)
+        return 1
     summary = summarize(results, duration)
     print(format_report(summary))
     errors = [r.error for r in results if not r.ok]

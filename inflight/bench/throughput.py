@@ -28,6 +28,7 @@ RESULTS_DIR = "bench-results"
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    from inflight.bench.lock import add_lock_args
     from inflight.entrypoints.engine_args import add_engine_args
 
     parser = bench_subparsers.add_parser(
@@ -40,15 +41,15 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--workload",
         default=None,
-        help="seed8, mixed, online, or a JSONL file (id, prompt_token_ids, "
-        "max_tokens, arrival_s); arrival times are ignored offline; seed8 "
-        "defaults to --max-num-seqs 8",
+        help="seed8, mixed, online, single (seed8's first prompt, 256 new tokens), or a "
+        "JSONL file (id, prompt_token_ids, max_tokens, arrival_s); arrival times are "
+        "ignored offline; seed8 defaults to --max-num-seqs 8",
     )
     source.add_argument(
         "--rate",
         type=float,
         default=None,
-        help="arrival rate of the 'online' workload (only its token ids matter)",
+        help="arrival rate of the 'online' workload (only its token ids matter; default 4.0)",
     )
     source.add_argument(
         "--num-prompts",
@@ -103,7 +104,12 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="run in this process (faster start; peak RSS is then shared)",
     )
-    runs.add_argument("--progress", action="store_true", help="show a progress bar")
+    runs.add_argument(
+        "--progress",
+        action="store_true",
+        help="show a progress bar for inflight's runs too (transformers' run shows one "
+        "whenever stderr is a terminal)",
+    )
     runs.add_argument(
         "--profile",
         action="store_true",
@@ -118,6 +124,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         f"(default: {RESULTS_DIR}/WORKLOAD/results.json)",
     )
     out.add_argument("--no-plots", dest="plots", action="store_false", default=True)
+    out.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the workload and the plan, print the runs and the files they would "
+        "write, run nothing",
+    )
+    add_lock_args(parser)
     add_engine_args(parser)
     parser.set_defaults(handler=run, max_num_seqs=None)
 
@@ -192,7 +205,12 @@ def execute(
     if planned.engine == "transformers":
         fn: Any = run_transformers
         call_args: tuple = (workload, args.model, args.hf_batch_size or options["max_num_seqs"])
-        kwargs: dict[str, Any] = {"warmup": args.warmup, "threads": args.threads}
+        kwargs: dict[str, Any] = {
+            "warmup": args.warmup,
+            "threads": args.threads,
+            # minutes per batch on a CPU: a bar whenever stderr is a terminal
+            "progress": True if args.progress else None,
+        }
     else:
         fn = run_inflight
         call_args = (workload, args.model, {**options, "batching": planned.batching})
@@ -206,38 +224,25 @@ def execute(
 
 
 def run(args: argparse.Namespace) -> int:
+    from inflight.bench.lock import bench_lock, lock_path
     from inflight.bench.plots import LabelledTrace, draw_all
     from inflight.bench.report import format_ratios, format_table, ratios, write_json
-    from inflight.engine.step_trace import StepTrace
 
     workload = load_workload(args)
     options = engine_options_for(args, args.workload)
     path = output_path(args, workload.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
     print(
         f"workload {workload.name}: {len(workload.requests)} requests, "
         f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens",
         file=sys.stderr,
     )
 
-    results = []
-    for planned in plan_runs(args):
-        print(f"running {planned.engine} {planned.batching} ...", file=sys.stderr, flush=True)
-        result = execute(planned, workload, args, options)
-        if result.folded_token_ids:
-            print("note: token ids were folded into the model's vocabulary", file=sys.stderr)
-        trace_path = path.parent / planned.trace_name
-        StepTrace(enabled=True, records=result.records).write_jsonl(trace_path)
-        result.report.trace_path = str(trace_path)
-        results.append(result)
-        step_ms = result.report.options.get("step_time_ms")
-        if step_ms:
-            print(_format_step_time(planned.batching, step_ms), file=sys.stderr)
-        if result.profile_table:
-            profile_path = path.parent / f"profile_{planned.engine}_{planned.batching}.txt"
-            profile_path.write_text(result.profile_table)
-            print(result.profile_table, file=sys.stderr)
-            print(f"profile: {profile_path}", file=sys.stderr)
+    if args.dry_run:
+        print(_dry_run_plan(args, options, path))
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with bench_lock(lock_path(args)):
+        results = [_run_one(planned, workload, args, options, path) for planned in plan_runs(args)]
 
     reports = [r.report for r in results]
     print(format_table(reports))
@@ -258,6 +263,57 @@ def run(args: argparse.Namespace) -> int:
         for picture in draw_all(traces, path.parent, reports):
             print(f"picture: {picture}")
     return 0
+
+
+def _run_one(
+    planned: PlannedRun,
+    workload: Any,
+    args: argparse.Namespace,
+    options: dict[str, Any],
+    path: Path,
+) -> Any:  # -> RunResult
+    """One timed run, its trace (and profile) written next to the results file."""
+    from inflight.engine.step_trace import StepTrace
+
+    print(f"running {planned.engine} {planned.batching} ...", file=sys.stderr, flush=True)
+    result = execute(planned, workload, args, options)
+    if result.folded_token_ids:
+        print("note: token ids were folded into the model's vocabulary", file=sys.stderr)
+    trace_path = path.parent / planned.trace_name
+    StepTrace(enabled=True, records=result.records).write_jsonl(trace_path)
+    result.report.trace_path = str(trace_path)
+    step_ms = result.report.options.get("step_time_ms")
+    if step_ms:
+        print(_format_step_time(planned.batching, step_ms), file=sys.stderr)
+    if result.profile_table:
+        profile_path = path.parent / f"profile_{planned.engine}_{planned.batching}.txt"
+        profile_path.write_text(result.profile_table)
+        print(result.profile_table, file=sys.stderr)
+        print(f"profile: {profile_path}", file=sys.stderr)
+    return result
+
+
+def planned_files(args: argparse.Namespace, path: Path) -> list[Path]:
+    """Every file a run with these arguments writes: results, traces, pictures."""
+    from inflight.bench.plots import PICTURES
+
+    planned = plan_runs(args)
+    files = [path, *(path.parent / p.trace_name for p in planned)]
+    if args.plots:
+        files += [path.parent / name for name in (*PICTURES, "throughput.png")]
+    if args.profile:
+        files += [
+            path.parent / f"profile_{p.engine}_{p.batching}.txt"
+            for p in planned
+            if p.engine == "inflight"
+        ]
+    return files
+
+
+def _dry_run_plan(args: argparse.Namespace, options: dict[str, Any], path: Path) -> str:
+    runs = ", ".join(f"{p.engine} {p.batching}" for p in plan_runs(args))
+    lines = [f"dry run: would run {runs}", f"engine options: {options}", "would write:"]
+    return "\n".join([*lines, *(f"  {f}" for f in planned_files(args, path))])
 
 
 def _format_step_time(batching: str, ms: dict[str, float]) -> str:

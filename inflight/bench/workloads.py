@@ -4,7 +4,8 @@ This module owns the workload record and every way of getting one:
 
 * the named workloads ``seed8``, ``mixed`` and ``online``, generated in-process with the
   very algorithm and seeds of the project's ``bench/make_workload.py`` (so the token ids
-  are identical, without importing anything from outside the package at run time);
+  are identical, without importing anything from outside the package at run time), and
+  ``single``: seed8's first prompt with 256 new tokens (the single-stream measurement);
 * vLLM-style synthetic workloads (``--input-len``, ``--output-len``, ``--num-prompts``,
   ``--range-ratio``);
 * JSONL files with one ``{"id", "prompt_token_ids", "max_tokens", "arrival_s"}`` per line.
@@ -24,7 +25,8 @@ from pathlib import Path
 # The named workloads target SmolLM2 (vocab 49152) and stay clear of its special and
 # byte tokens, exactly as bench/make_workload.py does.
 LOW_ID, HIGH_ID = 1000, 49000
-NAMED_WORKLOADS = ("seed8", "mixed", "online")
+NAMED_WORKLOADS = ("seed8", "mixed", "online", "single")
+SINGLE_MAX_TOKENS = 256
 DEFAULT_ONLINE_RATE = 4.0
 
 
@@ -113,6 +115,12 @@ def seed8(seed: int = 0, prompt_len: int = 128) -> Workload:
     return Workload("seed8", requests)
 
 
+def single(max_tokens: int = SINGLE_MAX_TOKENS) -> Workload:
+    """One stream: seed8's first 128-token prompt, ``max_tokens`` new tokens."""
+    first = seed8().requests[0]
+    return Workload("single", [WorkloadRequest(0, first.prompt_token_ids, max_tokens)])
+
+
 def online(rate: float = DEFAULT_ONLINE_RATE) -> Workload:
     """``mixed`` with Poisson arrivals at ``rate`` requests per second."""
     return mixed(rate=rate)
@@ -177,6 +185,8 @@ def named(name: str, rate: float | None = None) -> Workload:
         return mixed()
     if name == "online":
         return online(rate or DEFAULT_ONLINE_RATE)
+    if name == "single":
+        return single()
     raise ValueError(f"unknown workload {name!r}; use one of {NAMED_WORKLOADS} or a .jsonl path")
 
 

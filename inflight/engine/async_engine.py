@@ -83,11 +83,17 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _ResetPrefixCache:
+    done: asyncio.Future[None]
+    result: bool = False  # set on the engine thread before ``done`` resolves
+
+
+@dataclass(slots=True)
 class _Shutdown:
     pass
 
 
-_Command = _Add | _Abort | _Shutdown
+_Command = _Add | _Abort | _ResetPrefixCache | _Shutdown
 
 
 @dataclass(slots=True)
@@ -265,6 +271,22 @@ class AsyncLLMEngine:
             if not self._closed:
                 self._commands.put(_Abort([request_id]))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, on the engine thread between steps; False
+        (nothing changed) while any request holds KV blocks."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("call start() before reset_prefix_cache()")
+        command = _ResetPrefixCache(loop.create_future())
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
+            if self._closed:
+                raise EngineShutdownError("the server is shutting down")
+            self._commands.put(command)
+        await command.done
+        return command.result
+
     def abort_all(self) -> None:
         """Abort every request in flight (used when a graceful-shutdown grace period ends)."""
         with self._lock:
@@ -306,9 +328,13 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort, outbox: Outbox) -> None:
+    def _apply(self, command: _Add | _Abort | _ResetPrefixCache, outbox: Outbox) -> None:
         if isinstance(command, _Abort):
             self._abort_live(command.request_ids, outbox)
+            return
+        if isinstance(command, _ResetPrefixCache):
+            command.result = self._engine.reset_prefix_cache()
+            outbox.resolve(command.done, None)
             return
         try:
             self._engine.add_request(
@@ -441,6 +467,7 @@ class AsyncLLMEngine:
             logprobs=logprobs,
             cumulative_logprob=completion.cumulative_logprob,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=output.num_cached_tokens,
         )
         live.sent_token_counts[index] = len(completion.token_ids)
         live.sent_char_counts[index] = max(sent_chars, visible)

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from inflight.config import EngineConfig, make_engine_config
+from inflight.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, make_engine_config
 from inflight.core.interface import (
     ModelRunnerOutput,
     PromptLogprobsChunk,
@@ -59,6 +59,8 @@ from inflight.outputs import (
     SampleLogprobs,
 )
 from inflight.sampling_params import INT64_MAX, INT64_MIN, InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,15 @@ class LLMEngine:
         useful = cfg.max_num_seqs * cdiv(max_model_len, self.config.cache.block_size) + 1
         if affordable < 1:
             raise ValueError("kv_cache_memory_bytes is too small for even one KV block")
+        if affordable > useful:  # say so: the budget is not what is used
+            # a warning when the user chose the budget; the default's cap is routine
+            chosen = self.config.cache.kv_cache_memory_bytes != DEFAULT_KV_CACHE_MEMORY_BYTES
+            logger.log(
+                logging.WARNING if chosen else logging.INFO,
+                "kv_cache_memory_bytes allows %d KV blocks, but %d slots of up to %d tokens "
+                "can use at most %d; using %d",
+                affordable, cfg.max_num_seqs, max_model_len, useful, useful,
+            )
         return min(affordable, useful)
 
     # ------------------------------------------------------------------ requests

@@ -52,6 +52,7 @@ class RequestDelta:
     cumulative_logprob: float | None = None
     # The prompt's logprobs (first entry None), on the request's first delta only.
     prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class RequestStream:

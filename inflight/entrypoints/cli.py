@@ -19,6 +19,38 @@ SUBCOMMAND_MODULES = [
 ]
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless it says nothing useful.
+
+    Left out: defaults that are None or booleans (a flag's default is its absence), and
+    help strings that already describe their default.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if (
+            action.default is None
+            or isinstance(action.default, bool)
+            or action.default is argparse.SUPPRESS
+            or "default" in help_text.lower()
+            or not action.option_strings
+        ):
+            return help_text
+        return super()._get_help_string(action) or help_text
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    """Set the defaults-showing formatter on ``parser`` and every subcommand below it."""
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        shows_default = action.default is not None and not isinstance(action.default, bool)
+        if action.help is None and action.option_strings and shows_default:
+            action.help = "(default: %(default)s)"  # argparse omits options without help
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                _use_formatter(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inflight",
@@ -27,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    _use_formatter(parser)
     return parser
 
 

@@ -8,6 +8,8 @@ from typing import Any
 from inflight.config import (
     BATCHING_MODES,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
@@ -22,7 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         parser.add_argument("--model", default=None,
                             help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and activations; auto: float32 on the CPU (matches "
+                       "transformers), the model's dtype on CUDA; float16 needs --device cuda")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
     group.add_argument(
         "--quantization", default=None, choices=["gguf", "none"],
@@ -34,16 +38,32 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         help="KV cache element type: auto (the model's dtype), float32, bfloat16, or int8 "
         "(per-token, per-head scales; half of bfloat16's bytes for attention to read)",
     )
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None)
-    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    group.add_argument("--seed", type=int, default=0, help="engine seed for sampling")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the model's context length)")
+    group.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                       help=f"batch slots: most requests in one step (default: "
+                       f"{DEFAULT_MAX_NUM_SEQS}; bench throughput's seed8: 8)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help=f"token budget of one step (default: "
+                       f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}; max-model-len without chunked "
+                       "prefill)")
+    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                       help="tokens per KV cache block")
+    group.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV cache capacity in blocks (default: from --kv-cache-memory-bytes)")
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help=f"KV cache memory budget (default: {DEFAULT_KV_CACHE_MEMORY_BYTES}, "
+                       "2 GiB), capped at what --max-num-seqs slots can use")
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                       action="store_false", default=True)
-    group.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
+                       action="store_false", default=True,
+                       help="schedule whole prompts only (default: chunked prefill on)")
+    group.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV blocks of prompt prefixes seen before (on by default, as in vLLM)",
+    )
+    group.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                       help="waiting-queue order: fcfs, or priority (lower runs first)")
     group.add_argument("--batching", default="continuous", choices=list(BATCHING_MODES),
                        help="continuous (default) or the static-batching baseline")
 
@@ -56,6 +76,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, batching=args.batching,
     )
     if args.kv_cache_memory_bytes is not None:

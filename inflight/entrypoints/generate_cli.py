@@ -8,16 +8,27 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     from inflight.entrypoints.engine_args import add_engine_args
 
-    parser = subparsers.add_parser("generate", help="generate a continuation of one or more prompts")
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate a continuation of one or more prompts",
+        description="Generate a continuation of each prompt and print it. By default the "
+        "decoding is greedy (temperature 0) and stops at the end-of-sequence token or after "
+        "128 new tokens. Several prompts run as one batch; each answer is printed under a "
+        "'=== [i] prompt' header line.",
+    )
     parser.add_argument("prompts", nargs="+", help="prompt text (several run as one batch)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=128, help="most new tokens per prompt")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy; above 0 samples"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: all")
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--chat", action="store_true",
                         help="wrap each prompt as a user message in the model's chat template")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens"
+    )
     parser.add_argument("--trace", metavar="JSONL", default=None,
                         help="write the step trace to this file")
     add_engine_args(parser)
@@ -38,8 +49,19 @@ def run(args: argparse.Namespace) -> int:
         outputs = llm.chat(conversations, params, use_tqdm=False)
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    for output in outputs:
-        print(output.outputs[0].text)
+    print(format_answers(args.prompts, [o.outputs[0].text for o in outputs]))
     if args.trace:
         llm.step_trace.write_jsonl(args.trace)
     return 0
+
+
+def format_answers(prompts: list[str], answers: list[str]) -> str:
+    """One answer alone as it is; several each under a ``=== [i] prompt`` header line."""
+    if len(answers) == 1:
+        return answers[0]
+    blocks = []
+    for number, (prompt, answer) in enumerate(zip(prompts, answers, strict=True), 1):
+        shown = " ".join(prompt.split())
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        blocks.append(f"=== [{number}] {shown}\n{answer.strip()}")
+    return "\n\n".join(blocks)

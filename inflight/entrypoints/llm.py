@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from inflight.engine.llm_engine import LLMEngine, PromptInput
 from inflight.engine.step_trace import StepTrace
+from inflight.entrypoints.chat_utils import ChatOptions, render_chat
 from inflight.outputs import RequestOutput
 from inflight.sampling_params import SamplingParams
 
@@ -61,31 +62,33 @@ class LLM:
         messages: list[ChatMessage] | list[list[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Render each conversation with the chat template, then generate (as in vLLM).
+
+        ``continue_final_message=True`` (with ``add_generation_prompt=False``) leaves the
+        final assistant message open, so the model continues it. Messages take every
+        form OpenAI's API allows (see :mod:`inflight.entrypoints.chat_utils`); a message
+        the renderer refuses raises ``ValueError`` before any work starts.
+        """
         conversations = (
             [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)}
+        options = ChatOptions(
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        tokenizer = self.llm_engine.tokenizer
+        prompts: list[PromptInput] = [
+            {"prompt_token_ids": render_chat(tokenizer, c, options).prompt_token_ids}  # type: ignore[arg-type]
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
-
-    def apply_chat_template(
-        self, conversation: list[ChatMessage], add_generation_prompt: bool = True,
-        chat_template: str | None = None,
-    ) -> list[int]:
-        tokenizer = self.llm_engine.tokenizer
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; pass chat_template=...")
-        rendered = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-        )
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(
         self, prompts: list[PromptInput], params: list[SamplingParams | None],

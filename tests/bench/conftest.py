@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,18 @@ from inflight.entrypoints.cli import main
 class BenchRun:
     out_dir: Path
     results: dict
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_bench_lock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests never wait for (or hold up) real benchmarks on the machine's shared lock."""
+    saved = os.environ.get("BENCH_LOCK")
+    os.environ["BENCH_LOCK"] = str(tmp_path_factory.mktemp("lock") / "bench.lock")
+    yield
+    if saved is None:
+        os.environ.pop("BENCH_LOCK", None)
+    else:
+        os.environ["BENCH_LOCK"] = saved
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +56,7 @@ def bench_run(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
             "--compare",
             "--hf-baseline",
             "--no-isolate",
+            "--no-bench-lock",
             "--output-json",
             str(out_dir / "results.json"),
         ]

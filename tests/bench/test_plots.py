@@ -7,8 +7,18 @@ from pathlib import Path
 import numpy as np
 from matplotlib.image import imread
 
-from inflight.bench.plots import EMPTY, IDLE, PICTURES, timeline_grid
-from inflight.engine.step_trace import ScheduledEntry, StepRecord
+from inflight.bench.plots import (
+    EMPTY,
+    IDLE,
+    PICTURES,
+    REFILL_LABEL,
+    LabelledTrace,
+    batch_kv_figure,
+    latency_figure,
+    timeline_figure,
+    timeline_grid,
+)
+from inflight.engine.step_trace import ScheduledEntry, StepRecord, StepTrace
 from inflight.entrypoints.cli import main
 
 
@@ -63,3 +73,54 @@ def test_timeline_grid_marks_idle_and_empty_slots() -> None:
     assert grid.shape == (3, 3)
     assert grid[1, 1] == IDLE and (grid[2] == EMPTY).all()
     assert grid[1, 0] != grid[1, 2]  # a new request in the slot gets the other shade
+
+
+def sparse_trace() -> list[StepRecord]:
+    """256 slots, three used (0, 3 and 100); slot 3 is refilled by a second request."""
+
+    def record(step: int, entries: list[ScheduledEntry]) -> StepRecord:
+        return StepRecord(step, step * 0.1, 0.1, entries, [], [], len(entries), 0, 1, 64, 256, [])
+
+    return [
+        record(0, [ScheduledEntry("a", 0, 4, "prefill"), ScheduledEntry("b", 3, 4, "prefill")]),
+        record(1, [ScheduledEntry("a", 0, 1, "decode"), ScheduledEntry("b", 3, 1, "decode")]),
+        record(2, [ScheduledEntry("c", 3, 4, "prefill"), ScheduledEntry("d", 100, 2, "prefill")]),
+        record(3, [ScheduledEntry("c", 3, 1, "decode")]),
+    ]
+
+
+def test_timeline_draws_only_used_slots_labelled_with_their_numbers() -> None:
+    fig = timeline_figure([LabelledTrace("sparse", sparse_trace())])
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    (image,) = ax.images
+    grid = image.get_array()
+    assert grid.shape == (3, 4)  # rows: the 3 slots that held a request, not 256
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "3", "100"]
+    bottom, top = ax.get_ylim()
+    assert top < 0 and bottom > grid.shape[0]  # row 0 (and the last) inside the frame
+    assert grid[1, 0] != grid[1, 2]  # slot 3's second request: the other (darker) shade
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert REFILL_LABEL in labels and "idle (held, finished)" in labels
+    assert "3 of 256 slots used" in ax.get_title(loc="left")
+
+
+def test_count_axes_have_integer_ticks(bench_run) -> None:
+    records = StepTrace.read_jsonl(bench_run.out_dir / "trace_inflight_continuous.jsonl")
+    small = [LabelledTrace("s", sparse_trace())]  # 1-2 requests: default ticks go by 0.25
+    figures = [batch_kv_figure([LabelledTrace("continuous", records)]), batch_kv_figure(small)]
+    for fig in [*figures, timeline_figure(small)]:
+        fig.canvas.draw()
+        for ax in fig.axes:
+            ticks = list(ax.get_xticks())
+            if ax.get_ylabel() in ("requests working", "KV blocks in use"):
+                ticks += list(ax.get_yticks())
+            assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_ylabel(), ticks)
+
+
+def test_latency_chart_says_it_is_cumulative(bench_run) -> None:
+    records = StepTrace.read_jsonl(bench_run.out_dir / "trace_inflight_static.jsonl")
+    fig = latency_figure([LabelledTrace("static", records)])
+    assert "cumulative" in fig.get_suptitle()
+    for ax in fig.axes:
+        assert "cumulative" in ax.get_title(loc="left") and "at or below" in ax.get_ylabel()

@@ -127,3 +127,20 @@ def test_cache_salt_and_switch_off(tiny_llama_dir, prompts) -> None:
     off.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     (again,) = off.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     assert again.num_cached_tokens == 0
+
+
+def test_reset_is_refused_while_a_request_holds_blocks(tiny_llama_dir, prompts) -> None:
+    from inflight.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_options(str(tiny_llama_dir), dtype="float32", block_size=BLOCK)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, params)
+    engine.step()
+    assert engine.reset_prefix_cache() is False
+    assert engine.kv_cache.find_cached_prefix(
+        engine.scheduler.requests["a"]
+    ).num_tokens == 36  # nothing was forgotten
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.reset_prefix_cache() is True
+    assert engine.kv_cache.pool.num_cached_blocks == 0

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from helpers.step_gate import StepGate, once_all_have
 from inflight import LLM, SamplingParams
 from inflight.engine.async_engine import AsyncLLMEngine
 from inflight.engine.llm_engine import LLMEngine
@@ -88,6 +89,12 @@ def test_deltas_add_up_to_the_offline_output(llm: LLM, engine: LLMEngine) -> Non
 
 def test_a_new_request_joins_the_next_step_while_another_runs(engine: LLMEngine) -> None:
     recorder = Recorder()
+    # "long" makes 5 tokens, then waits (empty steps) until "short" has joined, so it
+    # cannot finish first however fast the machine: short needs 3 steps, long 195 more.
+    gate = StepGate(
+        engine,
+        lambda live: [r.request_id for r in live] == ["long"] and live[0].num_output_tokens >= 5,
+    )
 
     async def body(async_engine: AsyncLLMEngine) -> tuple[int, int]:
         long = await async_engine.add_request("long", [3, 4, 5], greedy(200))
@@ -105,7 +112,10 @@ def test_a_new_request_joins_the_next_step_while_another_runs(engine: LLMEngine)
         long.close()
         return steps_to_first_token, len([first, *rest])
 
-    steps, num_short = run(engine, body, (recorder,))
+    try:
+        steps, num_short = run(engine, body, (recorder,))
+    finally:
+        gate.remove()
     assert steps <= 3
     assert num_short == 3
     # The short request finished while the long one was still running (then aborted).
@@ -114,6 +124,8 @@ def test_a_new_request_joins_the_next_step_while_another_runs(engine: LLMEngine)
 
 def test_abort_frees_blocks_before_the_next_step(engine: LLMEngine) -> None:
     recorder = Recorder()
+    # After 3 tokens the engine makes no progress until the abort arrives.
+    gate = StepGate(engine, once_all_have(3))
 
     async def body(async_engine: AsyncLLMEngine) -> tuple[int, int]:
         stream = await async_engine.add_request("victim", [3, 4, 5], greedy(400))
@@ -122,12 +134,16 @@ def test_abort_frees_blocks_before_the_next_step(engine: LLMEngine) -> None:
                 break
         used_before = async_engine.stats.num_kv_blocks_used
         stream.close()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # fails only an engine that never frees them
         while async_engine.stats.num_kv_blocks_used and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         return used_before, async_engine.stats.num_kv_blocks_used
 
-    used_before, used_after = run(engine, body, (recorder,))
+    try:
+        used_before, used_after = run(engine, body, (recorder,))
+    finally:
+        gate.remove()
+    assert not gate.gave_up
     assert used_before >= 1 and used_after == 0
     assert [s.finish_reason for s in recorder.finished] == ["abort"]
     assert recorder.finished[0].num_output_tokens < 400
@@ -192,6 +208,8 @@ def test_a_failing_step_fails_its_requests_and_serving_continues(
 
 
 def test_shutdown_aborts_requests_in_flight(engine: LLMEngine) -> None:
+    gate = StepGate(engine, once_all_have(1))  # no progress after the first token
+
     async def main() -> RequestDelta:
         async_engine = AsyncLLMEngine(engine)
         async_engine.start()
@@ -206,7 +224,10 @@ def test_shutdown_aborts_requests_in_flight(engine: LLMEngine) -> None:
             await async_engine.add_request("late", [3], greedy(2))
         return last
 
-    last = asyncio.run(main())
+    try:
+        last = asyncio.run(main())
+    finally:
+        gate.remove()
     assert last.finished and last.finish_reason == "abort"
 
 

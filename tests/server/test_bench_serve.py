@@ -41,6 +41,7 @@ def test_synthetic_all_at_once(tiny_server: ServerProcess, tmp_path: Path) -> No
             "--result-json",
             str(out),
             "--disable-tqdm",
+            "--no-bench-lock",
             "--label",
             "smoke",
         ]
@@ -90,6 +91,7 @@ def test_workload_file_with_arrivals_and_concurrency_cap(
             "--result-json",
             str(out),
             "--disable-tqdm",
+            "--no-bench-lock",
         ]
     )
     assert code == 0
@@ -97,3 +99,44 @@ def test_workload_file_with_arrivals_and_concurrency_cap(
     assert result["completed"] == 5 and result["request_rate"] == "workload"
     assert result["total_output_tokens"] == sum(4 + i for i in range(5))
     assert result["duration_s"] >= 0.2  # the last request is not sent before 0.2 s
+
+
+def test_named_workloads_are_generated_in_process(capsys) -> None:
+    """``--workload online --rate 0.5`` is make_workload.py's ``online 0.5``, no file needed."""
+    from inflight.bench import serve, workloads
+
+    expected = workloads.online(0.5).requests[:40]
+    requests = serve.load_workload("online", 40, 0.5)
+    assert [(r.prompt, r.max_tokens, r.arrival_s) for r in requests] == [
+        (e.prompt_token_ids, e.max_tokens, e.arrival_s) for e in expected
+    ]
+    # The workload's own arrivals are kept unless --request-rate overrides them.
+    assert serve.schedule(requests, None, 0) == requests
+    args = ["bench", "serve", "--workload", "seed8", "--dry-run", "--port", "9"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "8 requests" in out and "1024 prompt tokens" in out and "850 output tokens" in out
+
+
+def one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+def test_unreachable_server_is_one_clear_line(tmp_path: Path, capsys) -> None:
+    from server_harness import free_port
+
+    port = free_port()  # nothing listens there once the probe socket is closed
+    args = ["bench", "serve", "--port", str(port), "--num-prompts", "2", "--disable-tqdm"]
+    assert main([*args, "--bench-lock", str(tmp_path / "lock")]) == 1
+    line = one_line_error(capsys)
+    assert "cannot reach the server" in line and str(port) in line
+
+
+def test_wrong_api_key_is_one_clear_line(tiny_server: ServerProcess, capsys) -> None:
+    args = ["bench", "serve", "--base-url", tiny_server.url, "--api-key", "sk-wrong"]
+    assert main([*args, "--num-prompts", "2", "--disable-tqdm", "--no-bench-lock"]) == 1
+    line = one_line_error(capsys)
+    assert "refused the API key" in line and "401" in line

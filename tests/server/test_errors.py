@@ -80,7 +80,8 @@ def test_wrong_types(tiny_server: ServerProcess, field: str, value: Any) -> None
 
 
 def test_wrong_types_in_chat(tiny_server: ServerProcess) -> None:
-    for messages in ("hi", [{"content": "w3"}], [{"role": "robot", "content": "w3"}], []):
+    # Any role *string* is passed to the template (tests/server/test_chat_messages.py).
+    for messages in ("hi", [{"content": "w3"}], [{"role": 5, "content": "w3"}], []):
         body = {"model": "tiny", "messages": messages}
         assert_openai_error(post(tiny_server, "/v1/chat/completions", body), 400, "messages")
 
@@ -208,3 +209,61 @@ def test_errors_do_not_disturb_other_requests(tiny_server: ServerProcess) -> Non
     assert len(received) == 201  # 200 token chunks, then [DONE]
     response = post(tiny_server, "/v1/completions", ok_completion())
     assert response.status_code == 200 and response.json()["choices"][0]["text"]
+
+
+def test_vllm_wording_for_prompts(tiny_server: ServerProcess) -> None:
+    """Clients match on vLLM's messages: out-of-vocabulary ids, empty prompts, overflow."""
+    error = assert_openai_error(
+        post(tiny_server, "/v1/completions", ok_completion(prompt=[3, 600, 4])), 400, "prompt"
+    )
+    assert error["message"].startswith("Token id 600 is out of vocabulary")
+    assert "512" in error["message"]  # the tiny model's vocabulary size
+    for prompt in ("", []):
+        error = assert_openai_error(
+            post(tiny_server, "/v1/completions", ok_completion(prompt=prompt)), 400, "prompt"
+        )
+        assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty."
+    error = assert_openai_error(
+        post(tiny_server, "/v1/completions", ok_completion(prompt=[[]])), 400, "prompt"
+    )
+    assert error["message"] == "The decoder prompt cannot be empty"
+    error = assert_openai_error(
+        post(tiny_server, "/v1/completions", ok_completion(prompt=[5] * 500, max_tokens=100)),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    )
+    assert error["message"].startswith(
+        "This model's maximum context length is 512 tokens. However, you requested 100 output "
+        "tokens and your prompt contains 500 input tokens, for a total of 600 tokens."
+    )
+
+
+def test_truncate_prompt_tokens_makes_a_long_prompt_fit(tiny_server: ServerProcess) -> None:
+    long_prompt = [7] * 100 + [5] * 600
+    response = post(
+        tiny_server,
+        "/v1/completions",
+        ok_completion(prompt=long_prompt, truncate_prompt_tokens=10, return_token_ids=True),
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["prompt_token_ids"] == [5] * 10  # the last 10
+    assert response.json()["usage"]["prompt_tokens"] == 10
+
+
+def test_dtype_float16_refused_at_start_up(tiny_llama_dir: Any) -> None:
+    """``--dtype float16`` cannot run on the CPU kernels: refused before serving."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "inflight.entrypoints.cli", "serve", str(tiny_llama_dir),
+         "--dtype", "float16", "--device", "cpu", "--port", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "float16" in done.stderr and "CUDA" in done.stderr
+    from inflight import LLM
+
+    with pytest.raises(ValueError, match="float16"):
+        LLM(str(tiny_llama_dir), dtype="float16", device="cpu")

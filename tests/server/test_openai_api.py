@@ -195,3 +195,37 @@ def test_models_and_service_routes(client: openai.OpenAI, tiny_server: ServerPro
     ).json()
     assert chat_tokens["tokens"] == [5, 6]
     assert httpx.post(f"{url}/detokenize", json={"tokens": [3, 9]}).json() == {"prompt": "w3 w9"}
+
+
+def test_completion_token_ids_and_continuous_usage(
+    client: openai.OpenAI, offline: LLM, tiny_server: ServerProcess
+) -> None:
+    expected = offline.generate(PROMPTS[0], greedy(5, ignore_eos=True), use_tqdm=False)[0]
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[0],
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    answer = httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=headers).json()
+    choice = answer["choices"][0]
+    assert choice["prompt_token_ids"] == expected.prompt_token_ids
+    assert choice["token_ids"] == list(expected.outputs[0].token_ids)
+    assert choice["prompt_logprobs"] is None and choice["stop_reason"] is None
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    chunks = list(stream)
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [1, 2, 3, 4, 5]
+    extras = [c.choices[0].model_extra or {} for c in chunks]
+    assert extras[0]["prompt_token_ids"] == expected.prompt_token_ids
+    assert [e["token_ids"] for e in extras] == [[t] for t in expected.outputs[0].token_ids]

@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 from server_harness import ServerProcess, free_port
 
+from helpers.step_gate import StepGate, once_all_have
 from inflight.engine.async_engine import AsyncLLMEngine
 from inflight.entrypoints.openai.api_server import GracefulServer, build_app
 from inflight.entrypoints.openai.serving import ServerConfig
@@ -81,6 +82,9 @@ def test_sigterm_lets_requests_in_flight_finish_then_exits_zero(
 def test_requests_past_the_grace_period_are_aborted_cleanly(tiny_llama_dir: Path) -> None:
     """In-process, so no signal: ``should_exit`` is what uvicorn's signal handler sets."""
     engine = AsyncLLMEngine.from_options(str(tiny_llama_dir))
+    # Once every stream has its first token the engine makes no progress, so none can
+    # finish before the shutdown, however fast the machine; the abort ends the hold.
+    gate = StepGate(engine._engine, once_all_have(1))
     app = build_app(engine, ServerConfig(served_model_names=("tiny",)))
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -99,6 +103,7 @@ def test_requests_past_the_grace_period_are_aborted_cleanly(tiny_llama_dir: Path
     finally:
         server.should_exit = True
         thread.join(60)
+    assert not gate.gave_up
     for result in results:
         # Cut short, but cleanly: a final chunk with finish_reason "abort", then [DONE].
         assert result["finish_reason"] == "abort" and result["done"], result

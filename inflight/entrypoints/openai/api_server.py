@@ -4,6 +4,7 @@ Routes::
 
     POST /v1/completions  POST /v1/chat/completions  GET /v1/models   (API key, when set)
     GET /health  GET /metrics  GET /version  POST /tokenize  POST /detokenize
+    POST /reset_prefix_cache
 
 The app's lifespan starts the engine thread on uvicorn's event loop and stops it last.
 Graceful shutdown (SIGTERM or SIGINT): uvicorn stops accepting and waits for the open
@@ -44,13 +45,22 @@ from inflight.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from inflight.entrypoints.openai.request_fields import (
+    TOKENIZE_FIELDS,
+    log_unknown_fields,
+    refuse_unsupported,
+)
 from inflight.entrypoints.openai.serving import (
     ServerConfig,
     ServerState,
     json_response,
     parse_body,
 )
-from inflight.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from inflight.entrypoints.openai.serving_chat import (
+    chat_options,
+    create_chat_completion,
+    render_messages,
+)
 from inflight.entrypoints.openai.serving_completions import create_completion
 from inflight.metrics.prometheus import PrometheusMetrics
 
@@ -128,30 +138,23 @@ def _service_router(state: ServerState, version: str) -> APIRouter:
     async def version_route() -> Response:
         return JSONResponse({"version": version})
 
+    @router.post(
+        "/reset_prefix_cache", dependencies=[Depends(_api_key_check(state.config.api_key))]
+    )
+    async def reset_prefix_cache() -> Response:
+        # vLLM's route; refused (409) while requests hold blocks, as LLM.reset_prefix_cache.
+        if not await state.engine.reset_prefix_cache():
+            raise OpenAIError(
+                409,
+                "The prefix cache cannot be reset while requests hold KV blocks; retry when idle.",
+                "invalid_request_error",
+            )
+        return Response(status_code=200)
+
     @router.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
         request = await parse_body(raw, TokenizeRequest)
-        state.resolve_model(request.model)
-        tokenizer = state.engine.tokenizer
-        if (request.prompt is None) == (request.messages is None):
-            raise bad_request("Pass exactly one of 'prompt' and 'messages'.", "prompt")
-        if request.messages is not None:
-            template = request.chat_template or state.config.chat_template
-            tokens = render_chat(
-                tokenizer, request.messages, template, request.add_generation_prompt
-            )
-            if request.add_special_tokens:
-                tokens = list(tokenizer.build_inputs_with_special_tokens(tokens))
-        else:
-            add_special = True if request.add_special_tokens is None else request.add_special_tokens
-            tokens = list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
-        return json_response(
-            TokenizeResponse(
-                count=len(tokens),
-                max_model_len=state.engine.max_model_len,
-                tokens=tokens,
-            )
-        )
+        return json_response(tokenize_request(state, request))
 
     @router.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
@@ -169,6 +172,38 @@ def _service_router(state: ServerState, version: str) -> APIRouter:
         )
 
     return router
+
+
+def tokenize_request(state: ServerState, request: TokenizeRequest) -> TokenizeResponse:
+    """vLLM's /tokenize: a prompt, or messages rendered as the chat endpoint renders them."""
+    state.resolve_model(request.model)
+    log_unknown_fields(request, "/tokenize")
+    refuse_unsupported(request, TOKENIZE_FIELDS)
+    tokenizer = state.engine.tokenizer
+    if (request.prompt is None) == (request.messages is None):
+        raise bad_request("Pass exactly one of 'prompt' and 'messages'.", "prompt")
+    if request.messages is not None:
+        options = chat_options(
+            chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            add_special_tokens=bool(request.add_special_tokens),
+            chat_template_kwargs=request.chat_template_kwargs,
+            documents=request.documents,
+        )
+        tokens = render_messages(state, request.messages, options).prompt_token_ids
+    else:
+        add_special = True if request.add_special_tokens is None else request.add_special_tokens
+        tokens = list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
+    token_strs = None
+    if request.return_token_strs:
+        token_strs = [str(t) for t in tokenizer.convert_ids_to_tokens(tokens)]
+    return TokenizeResponse(
+        count=len(tokens),
+        max_model_len=state.engine.max_model_len,
+        tokens=tokens,
+        token_strs=token_strs,
+    )
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:

@@ -1,80 +1,115 @@
-"""From a validated API request to the engine's :class:`SamplingParams`.
+"""From a validated API request to the engine's inputs: rules pydantic cannot express.
 
-Owns the rules that pydantic cannot express: options the engine does not implement
-(``n > 1``, logprobs, penalties, ...) are refused by name instead of silently ignored, and
-``prompt + max_tokens`` must fit in ``max_model_len`` as in vLLM.
+- Fields the server does not implement are refused by name when set to a non-neutral value
+  (the tables in ``request_fields.py``); ``stream_options`` needs ``stream``.
+- Prompts: ``truncate_prompt_tokens`` applied, token ids checked against the vocabulary,
+  empty prompts refused, and ``prompt + max_tokens`` must fit in ``max_model_len``; the
+  messages use vLLM's wording, which clients match on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from inflight.entrypoints.openai.errors import bad_request, from_engine_error
 from inflight.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.entrypoints.openai.request_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    Treatment,
+    log_unknown_fields,
+    refuse_unsupported,
+)
 from inflight.sampling_params import SamplingParams
 
+GenerationRequest = CompletionRequest | ChatCompletionRequest
 
-def check_supported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse, by parameter name, features the engine does not implement yet."""
-    unsupported: list[tuple[str, bool]] = [
-        ("n", (request.n or 1) != 1),
-        ("logit_bias", bool(request.logit_bias)),
-        ("stream_options", request.stream_options is not None and not request.stream),
-    ]
+
+def check_supported(request: GenerationRequest) -> None:
+    """Refuse, by name, fields set to values the server does not implement."""
+    table: Mapping[str, Treatment]
     if isinstance(request, CompletionRequest):
-        unsupported += [
-            ("logprobs", request.logprobs is not None),
-            ("best_of", (request.best_of or 1) != 1),
-            ("suffix", bool(request.suffix)),
-        ]
+        table, endpoint = COMPLETION_FIELDS, "/v1/completions"
     else:
-        response_type = (request.response_format or {}).get("type", "text")
-        unsupported += [
-            ("logprobs", request.logprobs or request.top_logprobs is not None),
-            ("tools", bool(request.tools)),
-            ("response_format", response_type != "text"),
-        ]
-    for param, refused in unsupported:
-        if refused:
-            if param == "stream_options":
-                raise bad_request(
-                    "The 'stream_options' parameter is only allowed when 'stream' is true.",
-                    param,
-                )
-            raise bad_request(
-                f"'{param}' is not supported by this server yet.", param, "unsupported_parameter"
-            )
+        table, endpoint = CHAT_FIELDS, "/v1/chat/completions"
+    log_unknown_fields(request, endpoint)
+    if request.stream_options is not None and not request.stream:
+        raise bad_request(
+            "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
+    refuse_unsupported(request, table)
 
 
-def max_tokens_of(request: CompletionRequest | ChatCompletionRequest) -> int | None:
-    if isinstance(request, ChatCompletionRequest):
-        return request.max_completion_tokens or request.max_tokens
+def max_tokens_of(request: GenerationRequest) -> int | None:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens
     return request.max_tokens
 
 
-def check_length(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
-) -> None:
-    """A prompt longer than the context, or prompt + max_tokens past it, is a 400."""
-    if num_prompt_tokens > max_model_len:
+def truncate_prompt(
+    token_ids: list[int], request: GenerationRequest, max_model_len: int
+) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep k tokens (-1: max_model_len), by default
+    the last k (``truncation_side="left"`` cuts the start)."""
+    k = request.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    if k > max_model_len:
         raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt "
-            f"has {num_prompt_tokens} tokens. Please shorten it.",
+            f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+            f"({max_model_len}). Please request a smaller truncation size.",
+            "truncate_prompt_tokens",
+        )
+    k = max_model_len if k == -1 else k
+    if k == 0:
+        return []
+    if request.truncation_side == "right":
+        return token_ids[:k]
+    return token_ids[-k:]
+
+
+def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """An empty prompt or a token id outside the vocabulary is a 400 (vLLM's words)."""
+    if not token_ids:
+        raise bad_request("The decoder prompt cannot be empty", param)
+    top = max(token_ids)
+    if top >= vocab_size:
+        raise bad_request(
+            f"Token id {top} is out of vocabulary (the vocabulary size is {vocab_size})",
             param,
-            "context_length_exceeded",
-        )
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-            "max_tokens",
-            "context_length_exceeded",
+            "invalid_value",
         )
 
 
-def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
-) -> SamplingParams:
-    """OpenAI defaults where the request is silent; engine errors become 400s."""
+def check_length(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    param: str,
+    max_tokens_param: str = "max_tokens",
+) -> None:
+    """The prompt plus the tokens asked for (at least one) must fit in the context."""
+    num_output = 1 if max_tokens is None else max_tokens
+    total = num_prompt_tokens + num_output
+    if total <= max_model_len:
+        return
+    # The parameter to fix: the prompt when it alone leaves no room, else max_tokens.
+    too_long = param if num_prompt_tokens >= max_model_len else max_tokens_param
+    raise bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {num_output} output tokens and your prompt contains {num_prompt_tokens} "
+        f"input tokens, for a total of {total} tokens. Please reduce the length of the "
+        "input prompt or the number of requested output tokens.",
+        too_long,
+        "context_length_exceeded",
+    )
+
+
+def sampling_params(request: GenerationRequest, max_tokens: int | None) -> SamplingParams:
+    """OpenAI defaults where the request is silent; engine errors become 400s.
+
+    Only implemented fields reach the engine: refused ones were checked neutral before.
+    """
     try:
         return SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -87,11 +122,6 @@ def sampling_params(
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if request.repetition_penalty is None else request.repetition_penalty
-            ),
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
         )

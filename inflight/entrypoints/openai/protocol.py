@@ -1,98 +1,169 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests are parsed strictly from JSON (``"5"`` is not an integer, ``true`` is not a
-number), ranges follow OpenAI's documentation, and unknown fields are ignored as OpenAI
-does. Beside OpenAI's fields, requests take vLLM's sampling extras that the engine
-implements: ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``repetition_penalty``, ``skip_special_tokens``, ``include_stop_str_in_output`` and
-``priority``; the chat endpoint also takes ``chat_template`` and
-``add_generation_prompt``. Fields the engine does not implement are accepted only at
-their neutral values (see ``params.py``).
+Requests declare every field of OpenAI's and vLLM's schemas; what the server does with
+each one is in ``request_fields.py`` (implemented, or refused by name when set to a
+non-neutral value). Fields are parsed strictly from JSON (``"5"`` is not an integer,
+``true`` is not a number) with OpenAI's ranges; fields in neither schema are kept in
+``model_extra`` only to be logged and ignored.
+
+Responses carry vLLM's fields even when null (``stop_reason``, ``prompt_logprobs``,
+``prompt_token_ids``, ``token_ids``, ...), so clients written against vLLM find them.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TokenIds = list[int]
+TokenIds = list[Annotated[int, Field(ge=0)]]
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def random_request_id() -> str:
+    return uuid.uuid4().hex
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk
+    include_obfuscation: bool | None = None  # OpenAI's; no obfuscation padding is sent
 
 
-class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions."""
+class _GenerationFields(_Request):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's)."""
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1)] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM's extras
+    response_format: dict[str, Any] | None = None
+    # vLLM's sampling extras
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
-    skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    watermarking: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM's extra parameters
+    priority: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] = 0
+    request_id: str = Field(default_factory=random_request_id)
+    session_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    routed_experts_prompt_start: Annotated[int, Field(ge=0)] = 0
+    return_token_offsets: bool | None = False
+    return_mm_kwargs: bool = True
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_GenerationFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: bool = False
-    logprobs: Annotated[int, Field(ge=0)] | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
+    prompt_embeds: Any = None
+    add_special_tokens: bool = True
 
 
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Request):
+    """A part of a message's content; only ``text`` parts are rendered (chat_utils)."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    """One message; keys beside these (``tool_calls``, ...) are passed to the template."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
-    # vLLM's extras
-    chat_template: str | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    moderation: Any = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's chat extras
+    echo: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
 
 
 class TokenizeRequest(_Request):
@@ -103,12 +174,19 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: TokenIds
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------- responses
@@ -120,8 +198,20 @@ class _Response(BaseModel):
 
 class UsageInfo(_Response):
     prompt_tokens: int = 0
-    completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+        served from the prefix cache."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details={"cached_tokens": cached_tokens},
+        )
 
 
 class CompletionChoice(_Response):
@@ -130,6 +220,9 @@ class CompletionChoice(_Response):
     logprobs: None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):
@@ -138,20 +231,31 @@ class CompletionResponse(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    kv_transfer_params: None = None
 
 
 class ChatResponseMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str
+    role: str = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: list[Any] = Field(default_factory=list)
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # vLLM's older name for ``reasoning``
 
 
 class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -160,12 +264,20 @@ class ChatCompletionResponse(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
+    prompt_logprobs: None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    kv_transfer_params: None = None
 
 
 class ChatDelta(_Response):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[Any] = Field(default_factory=list)
 
 
 class ChatChunkChoice(_Response):
@@ -174,6 +286,7 @@ class ChatChunkChoice(_Response):
     logprobs: None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -183,6 +296,9 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 class ModelCard(_Response):
@@ -191,6 +307,7 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "inflight"
     root: str
+    parent: str | None = None
     max_model_len: int
 
 
@@ -203,6 +320,7 @@ class TokenizeResponse(_Response):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(_Response):

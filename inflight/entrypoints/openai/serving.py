@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -58,7 +59,7 @@ class ServerState:
 
     def resolve_model(self, name: str | None) -> str:
         """The served name a request asked for (the first one if it named none), or 404."""
-        if name is None:
+        if not name:  # null or "" (as in vLLM): the served model
             return self.model_name
         if name not in self.config.served_model_names:
             raise OpenAIError(
@@ -93,15 +94,21 @@ async def add_requests(
     params: SamplingParams,
     priority: int,
     arrival_time: float,
+    cache_salt: str | None = None,
 ) -> list[RequestStream]:
-    """Add one engine request per prompt (ids ``base_id-i``); all or none are kept."""
+    """Add one engine request per prompt; all or none are kept.
+
+    Engine ids are ``base_id-i-<random>``: ``base_id`` may come from the client (vLLM's
+    ``request_id``), so it alone need not be unique.
+    """
     streams: list[RequestStream] = []
+    suffix = uuid.uuid4().hex[:8]
     try:
         for index, (text, token_ids) in enumerate(prompts):
             streams.append(
                 await engine.add_request(
-                    f"{base_id}-{index}",
-                    {"prompt": text, "prompt_token_ids": token_ids},
+                    f"{base_id}-{index}-{suffix}",
+                    {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": cache_salt},
                     params,
                     priority=priority,
                     arrival_time=arrival_time,
@@ -120,18 +127,20 @@ async def add_requests(
     return streams
 
 
-async def collect(stream: RequestStream) -> tuple[str, RequestDelta]:
-    """All of a request's text and its final delta; aborts it if cancelled."""
+async def collect(stream: RequestStream) -> tuple[str, list[int], RequestDelta]:
+    """All of a request's text and token ids, and its final delta; aborts it if cancelled."""
     parts: list[str] = []
+    token_ids: list[int] = []
     last: RequestDelta | None = None
     try:
         async for delta in stream:
             parts.append(delta.text)
+            token_ids.extend(delta.token_ids)
             last = delta
     finally:
         stream.close()
     assert last is not None and last.finished
-    return "".join(parts), last
+    return "".join(parts), token_ids, last
 
 
 async def merge_streams(

@@ -1,26 +1,31 @@
 """``POST /v1/chat/completions``: render the chat template, generate, JSON or SSE.
 
-The prompt is built exactly as ``LLM.chat`` builds it (template rendered to text, then
-encoded without extra special tokens), so greedy answers match the offline API's.
+The prompt is built by the same renderer as ``LLM.chat`` (``entrypoints/chat_utils.py``),
+so greedy answers match the offline API's. As in vLLM, the answer's role is
+``assistant`` when a generation prompt is added, else the final message's role, and
+``echo`` puts the final message's content before the answer when the roles match.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from inflight.engine.request_stream import EngineDeadError, RequestStream
+from inflight.entrypoints.chat_utils import ChatOptions, RenderedChat, render_chat
 from inflight.entrypoints.openai.errors import bad_request
 from inflight.entrypoints.openai.params import (
     check_length,
+    check_prompt_ids,
     check_supported,
     max_tokens_of,
     sampling_params,
+    truncate_prompt,
 )
 from inflight.entrypoints.openai.protocol import (
     ChatChoice,
@@ -52,16 +57,28 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     request = await parse_body(raw, ChatCompletionRequest)
     model = state.resolve_model(request.model)
     check_supported(request)
-    token_ids = render_chat(
-        state.engine.tokenizer,
+    rendered = render_messages(
+        state,
         request.messages,
-        request.chat_template or state.config.chat_template,
-        request.add_generation_prompt,
+        chat_options(
+            chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            add_special_tokens=request.add_special_tokens,
+            chat_template_kwargs=request.chat_template_kwargs,
+            documents=request.documents,
+        ),
     )
+    max_model_len = state.engine.max_model_len
+    token_ids = truncate_prompt(rendered.prompt_token_ids, request, max_model_len)
+    check_prompt_ids(token_ids, state.engine.vocab_size, "messages")
     max_tokens = max_tokens_of(request)
-    check_length(len(token_ids), max_tokens, state.engine.max_model_len, "messages")
+    max_tokens_param = (
+        "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    )
+    check_length(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_param)
     params = sampling_params(request, max_tokens)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"chatcmpl-{request.request_id}"
     (stream,) = await add_requests(
         state.engine,
         request_id,
@@ -69,91 +86,139 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         params,
         request.priority,
         arrival_time,
+        request.cache_salt,
     )
+    reply = _reply(request, request_id, model, rendered, token_ids)
     if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        events = _stream(request_id, model, stream, include_usage)
+        events = _stream(reply, stream, request.include_usage, request.continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    return await until_disconnect(raw, _complete(request_id, model, stream))
+    return await until_disconnect(raw, _complete(reply, stream))
 
 
-def render_chat(
-    tokenizer: Any,
-    messages: Sequence[ChatMessage],
-    chat_template: str | None,
-    add_generation_prompt: bool,
-) -> list[int]:
-    """The conversation as prompt token ids, through the (given or model's) template."""
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise bad_request(
-            "This model has no chat template: start the server with --chat-template, or pass "
-            "'chat_template' in the request.",
-            "messages",
-        )
-    conversation = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        for m in messages
-    ]
+def render_messages(
+    state: ServerState, messages: list[ChatMessage], options: ChatOptions
+) -> RenderedChat:
+    """The request's messages through the chat renderer; its refusals are 400s."""
+    if options.chat_template is None and state.config.chat_template is not None:
+        options = _with_template(options, state.config.chat_template)
     try:
-        rendered = tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-        )
-    except Exception as error:  # a template raising (jinja's raise_exception) or broken
-        raise bad_request(
-            f"The chat template failed on these messages: {error}", "messages"
-        ) from error
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
+        return render_chat(state.engine.tokenizer, [m.as_dict() for m in messages], options)
+    except ValueError as error:
+        raise bad_request(str(error), "messages") from error
 
 
-async def _complete(request_id: str, model: str, stream: RequestStream) -> Response:
+def chat_options(**fields: Any) -> ChatOptions:
+    """:class:`ChatOptions` from request fields; its refusals are 400s."""
     try:
-        text, last = await collect(stream)
+        return ChatOptions(**fields)
+    except ValueError as error:
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(error) else None
+        raise bad_request(str(error), param) from error
+
+
+def _with_template(options: ChatOptions, template: str) -> ChatOptions:
+    return ChatOptions(
+        chat_template=template,
+        add_generation_prompt=options.add_generation_prompt,
+        continue_final_message=options.continue_final_message,
+        add_special_tokens=options.add_special_tokens,
+        chat_template_kwargs=options.chat_template_kwargs,
+        documents=options.documents,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """What the answer carries besides the engine's deltas."""
+
+    request_id: str
+    model: str
+    role: str
+    echo: str  # text put before the answer ("" unless echo is set)
+    prompt_token_ids: list[int] | None  # when return_token_ids is set
+    prompt_text: str | None  # when return_prompt_text is set
+    return_token_ids: bool
+    num_prompt_tokens: int
+
+
+def _reply(
+    request: ChatCompletionRequest,
+    request_id: str,
+    model: str,
+    rendered: RenderedChat,
+    token_ids: list[int],
+) -> _Reply:
+    last = rendered.conversation[-1]
+    role = "assistant" if request.add_generation_prompt else str(last["role"])
+    echo = str(last.get("content") or "") if request.echo and last["role"] == role else ""
+    return _Reply(
+        request_id=request_id,
+        model=model,
+        role=role,
+        echo=echo,
+        prompt_token_ids=token_ids if request.return_token_ids else None,
+        prompt_text=rendered.prompt if request.return_prompt_text else None,
+        return_token_ids=bool(request.return_token_ids),
+        num_prompt_tokens=len(token_ids),
+    )
+
+
+async def _complete(reply: _Reply, stream: RequestStream) -> Response:
+    try:
+        text, token_ids, last = await collect(stream)
     except EngineDeadError as error:
         raise engine_failure(error) from error
     choice = ChatChoice(
         index=0,
-        message=ChatResponseMessage(content=text),
+        message=ChatResponseMessage(role=reply.role, content=reply.echo + text),
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
+        token_ids=token_ids if reply.return_token_ids else None,
     )
     return json_response(
         ChatCompletionResponse(
-            id=request_id,
-            model=model,
+            id=reply.request_id,
+            model=reply.model,
             choices=[choice],
-            usage=UsageInfo(
-                prompt_tokens=last.num_prompt_tokens,
-                completion_tokens=last.num_output_tokens,
-                total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+            usage=UsageInfo.of(
+                last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens
             ),
+            prompt_token_ids=reply.prompt_token_ids,
+            prompt_text=reply.prompt_text,
         )
     )
 
 
 async def _stream(
-    request_id: str,
-    model: str,
-    stream: RequestStream,
-    include_usage: bool,
+    reply: _Reply, stream: RequestStream, include_usage: bool, continuous_usage: bool
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    usage = UsageInfo.of(reply.num_prompt_tokens, 0)
 
-    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(choices: list[ChatChunkChoice], first: bool = False) -> str:
         return sse(
             ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
+                id=reply.request_id,
+                created=created,
+                model=reply.model,
+                choices=choices,
+                usage=usage if continuous_usage else None,
+                prompt_token_ids=reply.prompt_token_ids if first else None,
+                prompt_text=reply.prompt_text if first else None,
             )
         )
 
     try:
-        # OpenAI's first chunk carries the role and no text.
-        yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
-        last = None
+        # OpenAI's first chunk carries the role and no text; echoed text comes next.
+        yield chunk(
+            [ChatChunkChoice(index=0, delta=ChatDelta(role=reply.role, content=""))], first=True
+        )
+        if reply.echo:
+            yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=reply.echo))])
         async for delta in stream:
-            last = delta
+            usage = UsageInfo.of(
+                delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
+            )
             yield chunk(
                 [
                     ChatChunkChoice(
@@ -161,17 +226,15 @@ async def _stream(
                         delta=ChatDelta(content=delta.text),
                         finish_reason=delta.finish_reason if delta.finished else None,
                         stop_reason=delta.stop_reason if delta.finished else None,
+                        token_ids=list(delta.token_ids) if reply.return_token_ids else None,
                     )
                 ]
             )
-        if include_usage and last is not None:
-            yield chunk(
-                [],
-                UsageInfo(
-                    prompt_tokens=last.num_prompt_tokens,
-                    completion_tokens=last.num_output_tokens,
-                    total_tokens=last.num_prompt_tokens + last.num_output_tokens,
-                ),
+        if include_usage:
+            yield sse(
+                ChatCompletionChunk(
+                    id=reply.request_id, created=created, model=reply.model, choices=[], usage=usage
+                )
             )
     except EngineDeadError as error:
         yield sse(engine_failure(error).body())

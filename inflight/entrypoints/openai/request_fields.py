@@ -1,0 +1,202 @@
+"""Every request field of OpenAI's and vLLM's schemas, and what this server does with it.
+
+One table per endpoint: each known field is either :class:`Implemented` (with what it does
+here) or :class:`Refused` (a 400 naming the field, with the reason, but only when the
+request sets it to something other than its neutral value: ``"n": 1``, ``"logprobs":
+null`` or ``"presence_penalty": 0`` still work). A field in neither schema is ignored,
+with a debug log line (:func:`log_unknown_fields`).
+
+The field lists follow OpenAI's ``openai`` package (3.57) and vLLM's protocol at commit
+002032ee2b18e1f7bd924ec47b62504ba3866063 (``vllm/entrypoints/openai/completion/protocol.py``
+and ``chat_completion/protocol.py``); ``tests/server/test_request_schema.py`` checks that
+every one of them has a row here and behaves as its row says.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from inflight.entrypoints.openai.errors import bad_request
+
+logger = logging.getLogger(__name__)
+
+
+def unset(value: Any) -> bool:
+    """Neutral when null, false, zero or empty."""
+    return value is None or value is False or value == 0 or value in ([], {}, "")
+
+
+def equals(*neutral: Any) -> Callable[[Any], bool]:
+    """Neutral when null or one of ``neutral``."""
+    return lambda value: value is None or value in neutral
+
+
+@dataclass(frozen=True, slots=True)
+class Implemented:
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    reason: str
+    neutral: Callable[[Any], bool] = field(default=unset)
+
+
+Treatment = Implemented | Refused
+
+_LATER = "not supported by this server yet"
+_TEXT_ONLY = "this model reads and writes text only"
+_NO_REASONING = "this model has no reasoning mode"
+_NO_DISAGG = "this server has no disaggregated prefill/encoder"
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
+
+
+def _text_modalities(value: Any) -> bool:
+    return value is None or value == ["text"]
+
+
+# Fields both generation endpoints share, by treatment.
+_SHARED: dict[str, Treatment] = {
+    "model": Implemented("the served model name; null or '' means the first one"),
+    "max_tokens": Implemented("the most tokens to generate"),
+    "temperature": Implemented("sampling temperature; 0 is greedy"),
+    "top_p": Implemented("nucleus sampling"),
+    "n": Refused(f"n > 1 is {_LATER}", equals(1)),
+    "stream": Implemented("server-sent events"),
+    "stream_options": Implemented("include_usage, continuous_usage_stats"),
+    "stop": Implemented("stop strings"),
+    "seed": Implemented("per-request sampling seed"),
+    "presence_penalty": Refused(f"penalties are {_LATER}", equals(0)),
+    "frequency_penalty": Refused(f"penalties are {_LATER}", equals(0)),
+    "logit_bias": Refused(f"logit_bias is {_LATER}"),
+    "user": Implemented("accepted: an end-user id for abuse monitoring, no effect on output"),
+    "response_format": Refused(f"structured output is {_LATER}", _text_format),
+    # vLLM's sampling extras
+    "top_k": Implemented("top-k sampling (0 or -1: off)"),
+    "min_p": Implemented("min-p sampling"),
+    "repetition_penalty": Refused(f"penalties are {_LATER}", equals(1)),
+    "min_tokens": Implemented("tokens to generate before EOS/stop may end the request"),
+    "ignore_eos": Implemented("keep generating past EOS"),
+    "stop_token_ids": Implemented("token ids that end the request"),
+    "include_stop_str_in_output": Implemented("keep the stop string in the text"),
+    "skip_special_tokens": Implemented("drop special tokens from the text"),
+    "spaces_between_special_tokens": Refused("only the default (true) is supported", equals(True)),
+    "use_beam_search": Refused(f"beam search is {_LATER}"),
+    "length_penalty": Refused("length_penalty only applies to beam search", equals(1)),
+    "watermarking": Refused("watermarking is not supported"),
+    "truncate_prompt_tokens": Implemented("keep only k prompt tokens (-1: max_model_len)"),
+    "truncation_side": Implemented("which end truncate_prompt_tokens keeps: left keeps the last"),
+    "allowed_token_ids": Refused(f"allowed_token_ids is {_LATER}"),
+    "bad_words": Refused(f"bad_words is {_LATER}"),
+    "prompt_logprobs": Refused(f"prompt_logprobs is {_LATER}"),
+    "logprob_token_ids": Refused(f"logprobs are {_LATER}"),
+    "structured_outputs": Refused(f"structured output is {_LATER}"),
+    "priority": Implemented("scheduling priority (lower first) with --scheduling-policy priority"),
+    "request_id": Implemented("the response's id (cmpl-/chatcmpl- + request_id)"),
+    "session_id": Implemented("accepted: a routing hint for multi-server setups, no effect here"),
+    "return_tokens_as_token_ids": Refused(f"logprobs are {_LATER}"),
+    "return_token_ids": Implemented("prompt_token_ids and token_ids in the response"),
+    "routed_experts_prompt_start": Refused("this model has no experts (MoE)"),
+    "return_token_offsets": Implemented(
+        "accepted: vLLM reads it on its render endpoints only, as here"
+    ),
+    "return_mm_kwargs": Implemented("accepted: vLLM reads it on its render endpoints only"),
+    "cache_salt": Implemented("mixed into the prefix-cache hash: only requests with the same salt share cached blocks"),
+    "kv_transfer_params": Refused(_NO_DISAGG),
+    "ec_transfer_params": Refused(_NO_DISAGG),
+    "vllm_xargs": Refused("this server has no custom extensions to read it"),
+    "repetition_detection": Refused(f"repetition_detection is {_LATER}"),
+    "thinking_token_budget": Refused(_NO_REASONING, equals(-1)),
+    "stream_interval": Refused("only one token per streamed chunk is supported", equals(1)),
+}
+
+COMPLETION_FIELDS: dict[str, Treatment] = _SHARED | {
+    "prompt": Implemented("string, strings, token ids or lists of token ids"),
+    "echo": Implemented("the prompt's text before the completion"),
+    "logprobs": Refused(f"logprobs are {_LATER}"),
+    "best_of": Refused(f"best_of is {_LATER}", equals(1)),
+    "suffix": Refused(f"suffix (fill-in-the-middle) is {_LATER}"),
+    "prompt_embeds": Refused("prompt embeddings are not supported"),
+    "add_special_tokens": Implemented("add the tokenizer's special tokens (BOS) to text prompts"),
+}
+
+CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
+    "messages": Implemented("the conversation, rendered with the chat template"),
+    "max_completion_tokens": Implemented("the most tokens to generate (wins over max_tokens)"),
+    "logprobs": Refused(f"logprobs are {_LATER}"),
+    "top_logprobs": Refused(f"logprobs are {_LATER}"),
+    "tools": Refused(f"tool calling is {_LATER}"),
+    "tool_choice": Refused(f"tool calling is {_LATER}", equals("none", "auto")),
+    "parallel_tool_calls": Implemented("accepted: only meaningful with tools"),
+    "functions": Refused(f"tool calling is {_LATER}"),
+    "function_call": Refused(f"tool calling is {_LATER}", equals("none", "auto")),
+    "reasoning_effort": Refused(_NO_REASONING),
+    "include_reasoning": Implemented("accepted: no reasoning is separated from the answer"),
+    "audio": Refused(_TEXT_ONLY),
+    "modalities": Refused(_TEXT_ONLY, _text_modalities),
+    "prediction": Refused(f"predicted outputs are {_LATER}"),
+    "web_search_options": Refused("this server has no web search"),
+    "verbosity": Refused("this model has no verbosity setting"),
+    "moderation": Refused("this server has no moderation"),
+    "metadata": Implemented(
+        "accepted: tags for stored completions, which this server keeps none of"
+    ),
+    "store": Implemented("accepted: this server stores no completions"),
+    "service_tier": Implemented("accepted: there is one processing tier"),
+    "prompt_cache_key": Implemented("accepted: a cache routing hint, no effect on output"),
+    "prompt_cache_options": Implemented("accepted: a cache hint, no effect on output"),
+    "prompt_cache_retention": Implemented("accepted: a cache hint, no effect on output"),
+    "safety_identifier": Implemented("accepted: an end-user id for abuse monitoring"),
+    "echo": Implemented("the last message's content before the answer, if it has the same role"),
+    "add_generation_prompt": Implemented("open an assistant turn after the messages"),
+    "continue_final_message": Implemented("leave the final assistant message open"),
+    "add_special_tokens": Implemented(
+        "add the tokenizer's special tokens on top of the template's"
+    ),
+    "documents": Implemented("passed to the chat template"),
+    "chat_template": Implemented("a Jinja template overriding the model's"),
+    "chat_template_kwargs": Implemented("passed to the chat template"),
+    "media_io_kwargs": Refused(_TEXT_ONLY),
+    "mm_processor_kwargs": Refused(_TEXT_ONLY),
+    "return_prompt_text": Implemented("the rendered prompt text in the response"),
+}
+
+TOKENIZE_FIELDS: dict[str, Treatment] = {
+    "model": Implemented("the served model name"),
+    "prompt": Implemented("text to tokenize"),
+    "messages": Implemented("a conversation, rendered with the chat template"),
+    "add_special_tokens": Implemented("default: true for a prompt, false for messages"),
+    "add_generation_prompt": Implemented("open an assistant turn after the messages"),
+    "continue_final_message": Implemented("leave the final assistant message open"),
+    "return_token_strs": Implemented("the tokens' strings in token_strs"),
+    "chat_template": Implemented("a Jinja template overriding the model's"),
+    "chat_template_kwargs": Implemented("passed to the chat template"),
+    "documents": Implemented("passed to the chat template"),
+    "tools": Refused(f"tool calling is {_LATER}"),
+    "mm_processor_kwargs": Refused(_TEXT_ONLY),
+    "media_io_kwargs": Refused(_TEXT_ONLY),
+}
+
+
+def refuse_unsupported(request: BaseModel, table: Mapping[str, Treatment]) -> None:
+    """A 400 naming the first refused field the request sets to a non-neutral value."""
+    for name in request.model_fields_set:
+        treatment = table.get(name)
+        if isinstance(treatment, Refused) and not treatment.neutral(getattr(request, name)):
+            raise bad_request(
+                f"'{name}' is not supported: {treatment.reason}.", name, "unsupported_parameter"
+            )
+
+
+def log_unknown_fields(request: BaseModel, endpoint: str) -> None:
+    """Fields in neither schema are ignored, as OpenAI does; say so at debug level."""
+    if request.model_extra:
+        logger.debug("%s: ignoring unknown fields %s", endpoint, sorted(request.model_extra))

@@ -1,0 +1,113 @@
+"""What a new user sees: defaults in --help, separated answers, progress, lock, KV budget."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from inflight.bench import workloads
+from inflight.bench.hf_baseline import run_transformers
+from inflight.bench.lock import bench_lock
+from inflight.engine.llm_engine import LLMEngine
+from inflight.entrypoints.cli import build_parser, main
+from inflight.entrypoints.generate_cli import format_answers
+
+
+def all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                found += all_parsers(child)
+    return found
+
+
+def test_every_option_with_a_default_shows_it_in_help() -> None:
+    for parser in all_parsers(build_parser())[1:]:
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            default = action.default
+            if not action.option_strings or default is None or isinstance(default, bool):
+                continue
+            if default == argparse.SUPPRESS:
+                continue
+            assert f"default: {default}" in text or "default" in (action.help or ""), (
+                parser.prog,
+                action.option_strings,
+            )
+
+
+def test_generate_help_says_greedy_and_128_tokens() -> None:
+    (generate,) = [p for p in all_parsers(build_parser()) if p.prog.endswith(" generate")]
+    text = " ".join(generate.format_help().split())
+    assert "greedy" in text and "128 new tokens" in text
+    assert "--max-tokens MAX_TOKENS most new tokens per prompt (default: 128)" in text
+
+
+def test_several_answers_are_separated(tiny_llama_dir: Path, capsys) -> None:
+    prompts = ["w3 w4", "w5 w6 w7"]
+    args = ["generate", *prompts, "--model", str(tiny_llama_dir), "--max-tokens", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    headed = out.split("=== [")
+    assert headed[0] == "" and len(headed) == 3
+    # each block is "N] prompt", then that prompt's own answer: the one it gets alone
+    for number, (prompt, block) in enumerate(zip(prompts, headed[1:], strict=True), 1):
+        header, answer = block.split("\n", 1)
+        assert header == f"{number}] {prompt}"
+        assert main(["generate", prompt, "--model", str(tiny_llama_dir), "--max-tokens", "4"]) == 0
+        alone = capsys.readouterr().out
+        assert alone.strip() and answer.strip() == alone.strip()
+        assert "===" not in alone  # one prompt: the answer alone, no header
+    assert format_answers(["only"], ["text"]) == "text"  # one answer: printed as it is
+
+
+def test_kv_budget_cap_is_logged(tiny_llama_dir: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="inflight.engine.llm_engine"):
+        engine = LLMEngine.from_options(
+            str(tiny_llama_dir), max_num_seqs=2, kv_cache_memory_bytes=1 << 30
+        )
+    usable = 2 * -(-engine.max_model_len // engine.config.cache.block_size) + 1
+    assert engine.kv_cache.num_blocks == usable
+    (record,) = [r for r in caplog.records if "kv_cache_memory_bytes allows" in r.message]
+    assert record.levelno == logging.WARNING  # the user chose this budget
+    assert f"at most {usable}; using {usable}" in record.message
+
+
+def test_bench_lock_waits_for_the_holder(tmp_path: Path) -> None:
+    path = str(tmp_path / "bench.lock")
+    holder = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    waiting, acquired = threading.Event(), threading.Event()
+
+    def timed_run() -> None:
+        with bench_lock(path, on_wait=lambda message: waiting.set()):
+            acquired.set()
+
+    worker = threading.Thread(target=timed_run)
+    worker.start()
+    assert waiting.wait(60)  # it said it is waiting ...
+    assert not acquired.is_set()  # ... and it is: the holder still has the lock
+    os.close(holder)
+    worker.join(60)
+    assert acquired.is_set()
+    with bench_lock(None):  # --no-bench-lock
+        pass
+
+
+def test_hf_baseline_shows_progress(tiny_llama_dir: Path, capsys) -> None:
+    workload = workloads.synthetic(3, input_len=4, output_len=5, seed=0)
+    run_transformers(workload, str(tiny_llama_dir), 2, warmup=False, progress=True)
+    err = capsys.readouterr().err
+    assert "transformers, 2 batch(es)" in err and "10/10" in err  # 2 batches of 5 steps
+
+
+@pytest.fixture(autouse=True)
+def _private_bench_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BENCH_LOCK", str(tmp_path / "bench.lock"))
