@@ -115,6 +115,14 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None) -> Sampl
     """
     logprobs, logprobs_param = _logprobs_of(request)
     _check_best_of(request)
+    prompt_logprobs = _prompt_logprobs_of(request, max_tokens)
+    if max_tokens == 0 and prompt_logprobs is None:
+        raise bad_request(
+            "max_tokens must be at least 1, or 0 with echo or prompt_logprobs (the prompt's "
+            "logprobs alone).",
+            "max_tokens",
+            "invalid_value",
+        )
     try:
         return SamplingParams(
             n=1 if request.n is None else request.n,
@@ -139,7 +147,7 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None) -> Sampl
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words or None,
             logprobs=logprobs,
-            prompt_logprobs=_prompt_logprobs_of(request, max_tokens),
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as error:
         openai_error = from_engine_error(error)
