@@ -134,6 +134,11 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     record_trace: bool = False
+    # The largest logprobs / prompt_logprobs a request may ask for (vLLM's default 20).
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
 
 def make_engine_config(
@@ -155,6 +160,7 @@ def make_engine_config(
     record_trace: bool = False,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    max_logprobs: int = 20,
 ) -> EngineConfig:
     """vLLM-style keyword options -> a validated :class:`EngineConfig`.
 
@@ -180,4 +186,5 @@ def make_engine_config(
             scheduling_policy=scheduling_policy, batching=batching,
         ),
         record_trace=record_trace,
+        max_logprobs=max_logprobs,
     )

@@ -6,6 +6,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log probability at one position (vLLM's ``Logprob``): from the model's
+    raw distribution; ``rank`` 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, the chosen (or prompt) token first, then the top k.
+PositionLogprobs = dict[int, Logprob]
+SampleLogprobs = list[PositionLogprobs]
+# Per prompt token; the first entry is None (nothing predicts the first token).
+PromptLogprobs = list[PositionLogprobs | None]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -14,7 +31,10 @@ class CompletionOutput:
     finish_reason: str | None = None
     # The stop token id or stop string that ended it; None for EOS and the other reasons.
     stop_reason: int | str | None = None
-    logprobs: None = None  # seam for a later issue
+    # With SamplingParams.logprobs: one dict per generated token; else None.
+    logprobs: SampleLogprobs | None = None
+    # Sum of the generated tokens' logprobs (raw distribution), with logprobs; else None.
+    cumulative_logprob: float | None = None
     # Why the request failed when finish_reason is "error" (only this request ended).
     error: str | None = None
 
@@ -50,3 +70,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # Prompt tokens whose KV came from the prefix cache (vLLM's name).
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None.
+    prompt_logprobs: PromptLogprobs | None = None

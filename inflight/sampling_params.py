@@ -34,9 +34,23 @@ class SamplingParams:
     """How to sample one request's continuation.
 
     ``temperature=0`` means greedy. ``max_tokens=None`` means "until the model's context
-    length". Fields not yet implemented by the engine (``n > 1``, ``logprobs``, penalties)
-    are accepted only at their neutral values, so callers get a clear error rather than a
-    silently ignored option.
+    length"; ``max_tokens=0`` is allowed only with ``prompt_logprobs`` (the request then
+    only prefills its prompt and returns the prompt's logprobs, finish_reason "length").
+
+    Sampling transforms, applied to the logits in vLLM's order: ``allowed_token_ids`` (every
+    other token is masked), ``bad_words`` (strings, tokenised by the engine: a one-token
+    word is always banned, a longer one when its other tokens were just generated),
+    ``logit_bias`` (token id -> added bias, [-100, 100]), then the penalties:
+    ``repetition_penalty`` over prompt and generated tokens (HF / vLLM: a seen token's
+    positive logit is divided by it, a negative one multiplied), ``frequency_penalty``
+    (minus penalty x count) and ``presence_penalty`` (minus penalty once) over generated
+    tokens (OpenAI's definition).
+
+    ``n`` completions share the prompt (``seed + index`` seeds completion ``index``);
+    ``best_of`` other than None or ``n`` is refused. ``logprobs=k`` returns, per generated
+    token, its logprob and the top k; ``prompt_logprobs=k`` the same for every prompt token
+    (the first entry None). Logprobs are from the model's raw distribution, before
+    temperature, penalties, biases and truncation (vLLM's default ``raw_logprobs``).
 
     Every value is checked here, on construction, against the range the engine can use
     (``seed`` within torch.long, counts within int64, booleans really bool), raising
@@ -61,9 +75,14 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    best_of: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
@@ -74,6 +93,8 @@ class SamplingParams:
 
     # Filled by the engine, not the user: the model's end-of-sequence ids.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Filled by the engine: each bad word's token ids (with and without a leading space).
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +105,12 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):  # e.g. from_dict / JSON bodies
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _int_keys(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         self._validate()
 
     @classmethod
@@ -101,11 +128,29 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """True when any transform beyond temperature/top-k/top-p/min-p applies."""
+        return (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self._bad_words_token_ids)
+        )
+
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             _fail("n", f"n must be a positive integer, got {self.n!r}")
-        if self.n != 1:
-            _fail("n", "n > 1 is not supported yet")
+        if self.best_of is not None and self.best_of != self.n:
+            _fail("best_of", f"best_of is not supported (got {self.best_of!r}); use n")
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p <= 0.0:
@@ -122,7 +167,9 @@ class SamplingParams:
             if not INT64_MIN <= self.seed <= INT64_MAX:
                 _fail("seed", f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
         if self.max_tokens is not None:
-            _check_count("max_tokens", self.max_tokens, low=1)
+            _check_count("max_tokens", self.max_tokens, low=0)
+            if self.max_tokens == 0 and self.prompt_logprobs is None:
+                _fail("max_tokens", "max_tokens must be at least 1 (0 only with prompt_logprobs)")
         _check_count("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -137,17 +184,16 @@ class SamplingParams:
                 _fail(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             _fail("stop", "stop strings are only supported when detokenize is True")
-        if self.logprobs is not None:
-            _fail("logprobs", "logprobs is not supported yet")
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            value = getattr(self, name)
-            _check_number(name, value)
-            if value != neutral:
-                _fail(name, f"{name} is not supported yet (got {value})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name), low=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), low=-2.0, high=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            _fail("repetition_penalty",
+                  f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        self._validate_token_transforms()
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -156,6 +202,40 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}",
             )
+
+    def _validate_token_transforms(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words (token ids are checked against the
+        vocabulary by the engine)."""
+        for token, bias in (self.logit_bias or {}).items():
+            if not 0 <= token <= INT64_MAX:
+                _fail("logit_bias", f"logit_bias keys must be token ids, got {token!r}")
+            _check_number("logit_bias", bias, low=-100.0, high=100.0)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                _fail("allowed_token_ids", "allowed_token_ids must not be empty")
+            for t in self.allowed_token_ids:
+                if not _is_int(t) or not 0 <= t <= INT64_MAX:
+                    _fail("allowed_token_ids",
+                          f"allowed_token_ids must be non-negative integers, got {t!r}")
+        for word in self.bad_words or []:
+            if not isinstance(word, str) or not word.strip():
+                _fail("bad_words", f"bad_words must be non-empty strings, got {word!r}")
+
+
+def _int_keys(logit_bias: Any) -> dict[int, float]:
+    """Token-id keys as ints (JSON sends them as strings), as vLLM's logit_bias."""
+    if not isinstance(logit_bias, dict):
+        _fail("logit_bias", f"logit_bias must be a mapping of token id to bias, got {logit_bias!r}")
+    out: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            _fail("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        if isinstance(key, bool) or (isinstance(key, float) and key != token):
+            _fail("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        out[token] = value
+    return out
 
 
 # ---------------------------------------------------------------- structured outputs

@@ -7,6 +7,7 @@ answers with the sampled tokens and the requests whose part of the step failed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from inflight.sampling_params import SamplingParams
@@ -31,6 +32,12 @@ class ScheduledRequest:
     num_cached_tokens: int = 0
     # Token ids the sampled token may not be (stop and EOS ids while min_tokens is unmet).
     suppressed_token_ids: tuple[int, ...] = ()
+    # The prompt (a reference, not a copy) for requests whose sampler needs it
+    # (repetition_penalty); empty otherwise.
+    prompt_token_ids: Sequence[int] = ()
+    # With prompt_logprobs: the prompt tokens at positions start+1 .. start+len, whose
+    # logprobs this chunk's positions predict (empty past the prompt's last token).
+    prompt_logprob_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +62,27 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log probabilities at one position, from the raw distribution: the chosen token's
+    (``token_id``, ``logprob``, ``rank`` with 1 the most likely) and the top k, best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobsChunk:
+    """Prompt logprobs computed in one step: ``entries[j]`` is for the prompt token at
+    position ``first_position + j`` (never 0: the first prompt token has none)."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     # request id -> sampled token, for every scheduled request with ``sample=True`` that
     # did not fail.
@@ -65,6 +93,10 @@ class ModelRunnerOutput:
     # Constrained requests whose grammar is complete with this step's token (nothing may
     # follow): they finish with "stop", whatever the length limits say.
     grammar_finished_request_ids: set[str] = field(default_factory=set)
+    # request id -> the sampled token's logprobs, for requests that asked (logprobs=k).
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> prompt logprobs computed this step (prompt_logprobs=k).
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

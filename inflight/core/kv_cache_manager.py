@@ -96,10 +96,11 @@ class KVCacheManager:
         """The longest run of cached full blocks that starts the request's tokens.
 
         At most ``(num_tokens - 1) // block_size`` blocks, so the last token is always
-        computed (its logits are needed to sample). Changes nothing: the blocks are only
+        computed (its logits are needed to sample); none for a request that skips the
+        cache (``Request.skip_prefix_cache``). Changes nothing: the blocks are only
         taken by :meth:`allocate_slots`.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
             return NO_PREFIX
         size = self.block_size
         tokens = request.all_token_ids

@@ -129,6 +129,17 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, so such a request never
+        reads the prefix cache (as vLLM); its computed blocks are still registered."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def is_prefill_only(self) -> bool:
+        """max_tokens=0: the request ends ("length") once its prompt is computed."""
+        return self.max_output_tokens == 0
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -224,17 +224,24 @@ class Scheduler:
         is_decode = num_new == 1 and start == request.num_tokens - 1 and start >= (
             request.num_prompt_tokens
         )
+        params = request.sampling_params
+        sample = end == request.num_tokens and not request.is_prefill_only
+        targets: tuple[int, ...] = ()
+        if params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+            targets = tuple(request.prompt_token_ids[start + 1 : end + 1])
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_position=start,
             block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
-            sample=end == request.num_tokens,
+            sample=sample,
             is_prefill=not is_decode,
             sampling_params=request.sampling_params,
             slot=self.slots.slot_of(request.request_id),
             num_cached_tokens=num_cached,
-            suppressed_token_ids=request.suppressed_token_ids if end == request.num_tokens else (),
+            suppressed_token_ids=request.suppressed_token_ids if sample else (),
+            prompt_token_ids=request.prompt_token_ids if params.repetition_penalty != 1.0 else (),
+            prompt_logprob_targets=targets,
         )
 
     def _pick_victim(self) -> Request:
@@ -276,6 +283,8 @@ class Scheduler:
             request.num_computed_tokens += item.num_tokens
             self.kv_cache.cache_full_blocks(request)
             if not item.sample:
+                if request.is_prefill_only and request.num_computed_tokens >= request.num_tokens:
+                    updates.append(self._end_prefill_only(request))
                 continue
             token = sampled[item.request_id]
             request.append_output_token(token)
@@ -295,6 +304,15 @@ class Scheduler:
                 )
             )
         return updates
+
+    def _end_prefill_only(self, request: Request) -> RequestUpdate:
+        """A max_tokens=0 request whose prompt is computed: it ends with "length"."""
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_LENGTH)
+        return RequestUpdate(
+            request_id=request.request_id, new_token_ids=[], finished=True,
+            finish_reason=request.status.finish_reason,
+        )
 
     def _fail(self, request: Request, message: str) -> RequestUpdate:
         """End one request whose part of the step failed; its blocks are freed at once."""

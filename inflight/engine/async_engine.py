@@ -30,12 +30,13 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.core.request import Request, RequestStatus
@@ -56,7 +57,7 @@ from inflight.metrics.stats import (
     StatsRecorder,
     StepStats,
 )
-from inflight.outputs import RequestOutput
+from inflight.outputs import CompletionOutput, RequestOutput
 from inflight.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -104,11 +105,19 @@ class _Live:
     num_prompt_tokens: int
     arrival_time: float
     holdback: int  # characters kept back while streaming, so a stop string is never sent
-    sent_tokens: int = 0
-    sent_chars: int = 0
+    n: int = 1
+    # Per completion index: tokens and characters already sent, and whether it ended.
+    sent_token_counts: list[int] = field(default_factory=lambda: [0])
+    sent_char_counts: list[int] = field(default_factory=lambda: [0])
+    ended: list[bool] = field(default_factory=lambda: [False])
+    sent_prompt_logprobs: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+
+    @property
+    def sent_tokens(self) -> int:
+        return sum(self.sent_token_counts)
 
 
 # ---------------------------------------------------------------------- the engine
@@ -341,14 +350,16 @@ class AsyncLLMEngine:
         except Exception as error:  # the request's own fault: reply, change nothing
             outbox.resolve(command.accepted, error)
             return
-        request = self._engine.scheduler.requests[command.request_id]
+        request = self._engine.get_request(command.request_id)
         stops = command.params.stop or []
+        n = command.params.n
         live = _Live(
             stream=command.stream,
             request=request,
             num_prompt_tokens=request.num_prompt_tokens,
             arrival_time=command.arrival_time,
             holdback=max((len(s) for s in stops), default=1) - 1,
+            n=n, sent_token_counts=[0] * n, sent_char_counts=[0] * n, ended=[False] * n,
         )
         self._live[command.request_id] = live
         self._unscheduled[command.request_id] = live
@@ -386,40 +397,82 @@ class AsyncLLMEngine:
         live = self._live.get(output.request_id)
         if live is None:
             return  # aborted between the step's start and now
-        completion = output.outputs[0]
-        if completion.finish_reason == "error":  # this request alone failed
-            failure = RequestFailedError(f"the request failed: {completion.error}")
-            self._end(output.request_id, "error", outbox, failure)
-            return
-        new_ids = completion.token_ids[live.sent_tokens :]
-        if new_ids:
+        for completion in output.outputs:
+            if completion.finish_reason == "error":  # this request alone failed
+                failure = RequestFailedError(f"the request failed: {completion.error}")
+                self._end(output.request_id, "error", outbox, failure)
+                return
+        new_total = sum(
+            len(c.token_ids) - live.sent_token_counts[c.index] for c in output.outputs
+        )
+        if new_total:
             if live.last_token_time is None:
                 live.first_token_time = step.time
-                step.first_token(live.num_prompt_tokens, len(new_ids), live.arrival_time)
+                step.first_token(live.num_prompt_tokens, new_total, live.arrival_time)
             else:
-                step.next_tokens(len(new_ids), live.last_token_time)
+                step.next_tokens(new_total, live.last_token_time)
             live.last_token_time = step.time
+        deltas = [
+            d for c in output.outputs
+            if (d := self._completion_delta(live, output, c)) is not None
+        ]
+        if output.finished:
+            if not deltas:  # nothing new: still end the stream with a final delta
+                deltas = [self._completion_delta(live, output, output.outputs[-1], force=True)]  # type: ignore[list-item]
+            *rest, last = deltas
+            for delta in rest:
+                outbox.deliver(live.stream, delta)
+            final = dataclasses.replace(last, finished=True)
+            reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+            self._end(output.request_id, reason or "stop", outbox, final)
+        else:
+            for delta in deltas:
+                outbox.deliver(live.stream, delta)
+
+    def _completion_delta(
+        self, live: _Live, output: RequestOutput, completion: CompletionOutput,
+        force: bool = False,
+    ) -> RequestDelta | None:
+        """What completion ``index`` produced since its last delta; None if nothing (and
+        the request has one completion only: then every output makes a delta, as before)."""
+        index = completion.index
+        sent_tokens = live.sent_token_counts[index]
+        new_ids = completion.token_ids[sent_tokens:]
         text = completion.text
+        sent_chars = live.sent_char_counts[index]
         # Hold back the tail that could be the start of a stop string: if the string
         # completes later the engine cuts the text there, and sent text cannot be unsent.
-        visible = len(text) if output.finished else max(live.sent_chars, len(text) - live.holdback)
+        done = completion.finish_reason is not None
+        visible = len(text) if done or output.finished else max(sent_chars, len(text) - live.holdback)
+        newly_ended = done and not live.ended[index]
+        if live.n > 1 and not (force or new_ids or visible > sent_chars or newly_ended):
+            return None
+        prompt_logprobs = None
+        if not live.sent_prompt_logprobs and output.prompt_logprobs is not None:
+            prompt_logprobs = output.prompt_logprobs
+            live.sent_prompt_logprobs = True
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = completion.logprobs[sent_tokens : sent_tokens + len(new_ids)]
         delta = RequestDelta(
             request_id=output.request_id,
-            text=text[live.sent_chars : visible],
+            text=text[sent_chars:visible],
             token_ids=list(new_ids),
             num_prompt_tokens=live.num_prompt_tokens,
             num_output_tokens=len(completion.token_ids),
-            finished=output.finished,
+            finished=output.finished and live.n == 1,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
+            index=index,
+            logprobs=logprobs,
+            cumulative_logprob=completion.cumulative_logprob,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=output.num_cached_tokens,
         )
-        live.sent_tokens = len(completion.token_ids)
-        live.sent_chars = max(live.sent_chars, visible)
-        if output.finished:
-            self._end(output.request_id, completion.finish_reason or "stop", outbox, delta)
-        else:
-            outbox.deliver(live.stream, delta)
+        live.sent_token_counts[index] = len(completion.token_ids)
+        live.sent_char_counts[index] = max(sent_chars, visible)
+        live.ended[index] = done
+        return delta
 
     def _abort_live(self, request_ids: list[str] | None, outbox: Outbox) -> None:
         for request_id in list(self._live) if request_ids is None else request_ids:
@@ -532,7 +585,7 @@ def _finished_stats(live: _Live, reason: str, now: float) -> FinishedRequestStat
         decode_time=decode,
         inference_time=inference,
         max_tokens_param=live.request.max_output_tokens,
-        n=live.request.sampling_params.n,
+        n=live.n,
     )
 
 

@@ -18,6 +18,18 @@ Structured outputs: ``add_request`` validates the constraint (a bad schema, rege
 grammar raises there) and starts compiling its grammar on a background thread; the
 scheduler's readiness check keeps the request waiting until it is compiled while the
 other requests step on (see ``structured_output/manager.py``).
+
+``n > 1`` (vLLM V1's ``ParentRequest``): the request fans out into n child requests
+(ids ``"{index}_{request_id}"``, ``seed + index``), merged back into one
+``RequestOutput`` with n ``CompletionOutput``s, finished when all are. Child 0 is added
+at once and the others only once child 0's prompt is computed, so they find the prompt's
+full blocks in the prefix cache and recompute only its partial last block: the prompt is
+computed once. Without prefix caching (or with static batching) all children are added
+at once and each computes the prompt. Aborting the request aborts every child.
+
+Logprobs: the runner reports the raw distribution's logprobs of each sampled token (and
+of prompt tokens) as :class:`TokenLogprobs`; the engine turns them into vLLM's
+``list[dict[int, Logprob]]`` and sums ``cumulative_logprob``.
 """
 
 from __future__ import annotations
@@ -29,15 +41,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from inflight.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, make_engine_config
-from inflight.core.interface import RequestUpdate, SchedulerOutput
+from inflight.core.interface import (
+    ModelRunnerOutput,
+    PromptLogprobsChunk,
+    RequestUpdate,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 from inflight.core.request import Request, RequestStatus
 from inflight.core.scheduler import Scheduler
 from inflight.engine.detokenizer import IncrementalDetokenizer
 from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import ScheduledEntry, StepRecord, StepTrace
-from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
+from inflight.sampling_params import INT64_MAX, INT64_MIN, InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +81,28 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None
     stream: bool
     metrics: RequestMetrics
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class _ParentState:
+    """An ``n > 1`` request: its children's latest completions, merged into one output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    child_ids: list[str]
+    stream: bool
+    completions: list[CompletionOutput]
+    finished: list[bool]
+    # Children not yet added (waiting for child 0's prompt): (child id, params).
+    pending: list[tuple[str, SamplingParams]]
+    add_options: dict[str, Any]
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class LLMEngine:
@@ -132,6 +180,8 @@ class LLMEngine:
         )
         self.step_trace = StepTrace(enabled=config.record_trace)
         self._states: dict[str, _RequestState] = {}
+        self._parents: dict[str, _ParentState] = {}
+        self._child_of: dict[str, tuple[str, int]] = {}  # child id -> (parent id, index)
         self._trace_origin = time.monotonic()
         self._next_id = 0
 
@@ -188,15 +238,54 @@ class LLMEngine:
         self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
         *, arrival_time: float | None = None, priority: int = 0, stream: bool = False,
     ) -> None:
-        """Validate and queue a request; raises ValueError (changing nothing) if it is bad."""
+        """Validate and queue a request; raises ValueError (changing nothing) if it is bad.
+
+        ``params.n > 1`` fans out into n child requests (see the module docstring)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            self._add_one(request_id, prompt, params, arrival_time, priority, stream)
+            return
+        children = [_child_params(params, index) for index in range(params.n)]
+        child_ids = [f"{index}_{request_id}" for index in range(params.n)]
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        options = dict(arrival_time=arrival, priority=priority, stream=stream)
+        self._add_one(child_ids[0], prompt, children[0], arrival, priority, stream)
+        state = self._states[child_ids[0]]
+        parent = _ParentState(
+            request_id=request_id, prompt=state.prompt,
+            prompt_token_ids=state.request.prompt_token_ids, child_ids=child_ids,
+            stream=stream,
+            completions=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(params.n)],
+            finished=[False] * params.n,
+            pending=list(zip(child_ids[1:], children[1:], strict=True)),
+            add_options={"prompt": {"prompt": state.prompt,
+                                    "prompt_token_ids": state.request.prompt_token_ids,
+                                    **_salt_field(prompt)}, **options},
+            metrics=state.metrics,
+        )
+        self._parents[request_id] = parent
+        for index, child_id in enumerate(child_ids):
+            self._child_of[child_id] = (request_id, index)
+        cache = self.config.cache
+        if not cache.enable_prefix_caching or self.config.scheduler.batching != "continuous":
+            self._add_children(parent)  # nothing to wait for: each computes the prompt
+
+    def _add_one(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams,
+        arrival_time: float | None, priority: int, stream: bool,
+    ) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
         _check_stop_token_ids(params, self.vocab_size)
         if params.structured_outputs is not None:
             self.structured_output.validate(params.structured_outputs)
+        _check_token_options(params, self.vocab_size, self.config.max_logprobs)
+        if params.bad_words and not params._bad_words_token_ids:
+            params._bad_words_token_ids = _bad_words_token_ids(self.tokenizer, params.bad_words)
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = _cache_salt(prompt)
         now = time.monotonic()
@@ -219,14 +308,54 @@ class LLMEngine:
         self._states[request_id] = _RequestState(
             request=request, prompt=text, detokenizer=detokenizer, stream=stream,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            prompt_logprobs=(
+                [None] * len(token_ids) if params.prompt_logprobs is not None else None
+            ),
         )
+
+    def _add_children(self, parent: _ParentState) -> None:
+        options = parent.add_options
+        for child_id, params in parent.pending:
+            self._add_one(
+                child_id, options["prompt"], params, options["arrival_time"],
+                options["priority"], options["stream"],
+            )
+        parent.pending = []
+
+    def _add_pending_children(self) -> None:
+        """Add the children of parents whose child 0 has computed its prompt (or ended)."""
+        for parent in self._parents.values():
+            if not parent.pending:
+                continue
+            first = self.scheduler.requests.get(parent.child_ids[0])
+            if first is None or first.num_computed_tokens >= first.num_prompt_tokens:
+                self._add_children(parent)
+
+    def get_request(self, request_id: str) -> Request:
+        """The scheduler's record of a request (child 0's for an ``n > 1`` request)."""
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            return self._states[parent.child_ids[0]].request
+        return self.scheduler.requests[request_id]
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            if self.scheduler.abort_request(request_id) is not None:
-                self.structured_output.free([request_id])
-                state = self._states.pop(request_id)
-                state.metrics.finished_time = time.monotonic()
+            parent = self._parents.pop(request_id, None)
+            if parent is not None:
+                parent.pending = []
+                for child_id in parent.child_ids:
+                    self._child_of.pop(child_id, None)
+                    self._abort_one(child_id)
+                continue
+            self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> None:
+        if self.scheduler.abort_request(request_id) is not None:
+            self.structured_output.free([request_id])
+            state = self._states.pop(request_id)
+            state.metrics.finished_time = time.monotonic()
 
     def populate_kv_cache(self) -> bool:
         """Map all of the KV cache's memory now rather than as blocks are first used (CPU);
@@ -239,13 +368,17 @@ class LLMEngine:
         return self.kv_cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or any(
+            p.pending for p in self._parents.values()
+        )
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of finished requests (and streaming ones)."""
         started = time.monotonic()
+        if self._parents:
+            self._add_pending_children()
         with self.timings.measure("schedule_s"):
             scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -257,14 +390,27 @@ class LLMEngine:
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
         with self.timings.measure("outputs_s"):
-            outputs = [o for u in updates if (o := self._process_update(u, now)) is not None]
+            if runner_output.prompt_logprobs:
+                self._take_prompt_logprobs(runner_output.prompt_logprobs)
+            outputs = [
+                o for u in updates if (o := self._process_update(u, now, runner_output)) is not None
+            ]
+            if self._child_of:
+                outputs = [m for o in outputs if (m := self._merge_child(o)) is not None]
             self._record_step(scheduler_output, updates, started, now)
         self.timings.num_steps += 1
         return outputs
 
-    def _process_update(self, update: RequestUpdate, now: float) -> RequestOutput | None:
+    def _process_update(
+        self, update: RequestUpdate, now: float, runner_output: ModelRunnerOutput
+    ) -> RequestOutput | None:
         state = self._states[update.request_id]
         metrics = state.metrics
+        if state.logprobs is not None and update.new_token_ids:
+            entry = runner_output.logprobs.get(update.request_id)
+            if entry is not None:
+                state.logprobs.append(self._position_logprobs(entry))
+                state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry.logprob
         if update.new_token_ids:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -307,12 +453,71 @@ class LLMEngine:
             finish_reason=request.status.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
             error=request.error if finished else None,
+            logprobs=None if state.logprobs is None else list(state.logprobs),
+            cumulative_logprob=state.cumulative_logprob,
         )
         return RequestOutput(
             request_id=request.request_id, prompt=state.prompt,
             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
             finished=finished, metrics=state.metrics,
             num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
+        )
+
+    # ------------------------------------------------------------------ logprobs, n > 1
+
+    def _position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
+        """vLLM's shape: the chosen token first, then the top k (ranks 1..k)."""
+        decode = self._decode_token
+        out = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
+        for rank, (token, logprob) in enumerate(
+            zip(entry.top_token_ids, entry.top_logprobs, strict=True), start=1
+        ):
+            if token not in out:
+                out[token] = Logprob(logprob, rank, decode(token))
+        return out
+
+    def _decode_token(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def _take_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
+        """Store each position once (a preempted request recomputes its prompt)."""
+        for request_id, chunk in chunks.items():
+            state = self._states.get(request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            for offset, entry in enumerate(chunk.entries):
+                position = chunk.first_position + offset
+                if state.prompt_logprobs[position] is None:
+                    state.prompt_logprobs[position] = self._position_logprobs(entry)
+
+    def _merge_child(self, output: RequestOutput) -> RequestOutput | None:
+        """Fold a child's output into its parent's; the parent's output when there is one
+        to give (streaming, or every child finished)."""
+        link = self._child_of.get(output.request_id)
+        if link is None:
+            return output  # an n == 1 request
+        parent_id, index = link
+        parent = self._parents[parent_id]
+        completion = output.outputs[0]
+        completion.index = index
+        parent.completions[index] = completion
+        if index == 0:
+            parent.num_cached_tokens = output.num_cached_tokens
+            parent.prompt_logprobs = output.prompt_logprobs
+        if output.finished:
+            parent.finished[index] = True
+            del self._child_of[output.request_id]
+        done = all(parent.finished)
+        if done:
+            del self._parents[parent_id]
+        elif not parent.stream:
+            return None
+        return RequestOutput(
+            request_id=parent_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, outputs=list(parent.completions),
+            finished=done, metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs,
         )
 
     def _record_step(
@@ -375,6 +580,61 @@ def _check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
             f"Vocabulary size: {vocab_size}",
             "stop_token_ids",
         )
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion ``index`` of an n > 1 request: n=1, its own seed (``seed + index``,
+    wrapped into int64); only child 0 asks for prompt logprobs (unless max_tokens=0)."""
+    seed = params.seed
+    if seed is not None:
+        seed = (seed + index - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
+    keep_prompt_logprobs = index == 0 or params.max_tokens == 0
+    return dataclasses.replace(
+        params, n=1, best_of=None, seed=seed,
+        prompt_logprobs=params.prompt_logprobs if keep_prompt_logprobs else None,
+    )
+
+
+def _salt_field(prompt: PromptInput) -> dict[str, Any]:
+    return {"cache_salt": prompt["cache_salt"]} if isinstance(prompt, dict) and "cache_salt" in prompt else {}
+
+
+def _check_token_options(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+    """Token ids in logit_bias / allowed_token_ids within the vocabulary; logprobs within
+    the engine's ``max_logprobs``."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise InvalidRequestError(
+                f"Requested {name} of {value}, which is greater than max allowed: {max_logprobs}",
+                name,
+            )
+    bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            "logit_bias",
+        )
+    bad = [t for t in params.allowed_token_ids or [] if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token_id(s) {bad} in allowed_token_ids contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            "allowed_token_ids",
+        )
+
+
+def _bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as written and with a leading space (how it is spelled
+    after another word), as vLLM; duplicates dropped."""
+    found: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                found[ids] = None
+    return tuple(found)
 
 
 def _cache_salt(prompt: PromptInput) -> str | None:

@@ -10,6 +10,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
+from inflight.outputs import PromptLogprobs, SampleLogprobs
+
 
 class _Aborter(Protocol):
     def abort(self, request_id: str) -> None: ...
@@ -31,7 +33,11 @@ class EngineShutdownError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class RequestDelta:
-    """What one request produced since its previous delta."""
+    """What one completion (``index``) of a request produced since its previous delta.
+
+    With ``n > 1`` the completions' deltas interleave; ``finish_reason`` is set on a
+    completion's last delta and ``finished`` on the request's very last delta.
+    """
 
     request_id: str
     text: str  # new text only
@@ -41,6 +47,11 @@ class RequestDelta:
     finished: bool
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string, if any
+    index: int = 0  # which of the n completions
+    logprobs: SampleLogprobs | None = None  # the new tokens' logprobs, when asked for
+    cumulative_logprob: float | None = None
+    # The prompt's logprobs (first entry None), on the request's first delta only.
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 

@@ -62,6 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV blocks of prompt prefixes seen before (on by default, as in vLLM)",
     )
+    group.add_argument("--max-logprobs", type=int, default=20,
+                       help="the most logprobs / prompt_logprobs / top_logprobs a request may ask for (default: 20)")
     group.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
                        help="waiting-queue order: fcfs, or priority (lower runs first)")
     group.add_argument("--batching", default="continuous", choices=list(BATCHING_MODES),
@@ -78,6 +80,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, batching=args.batching,
+        max_logprobs=args.max_logprobs,
     )
     if args.kv_cache_memory_bytes is not None:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes

@@ -38,6 +38,8 @@ class ModelInputs:
     # Flat index of the last token of every sequence that samples this step.
     logits_indices: torch.Tensor  # [N]
     sampled: list[ScheduledRequest]  # the N sequences, in logits order
+    scheduled: list[ScheduledRequest]  # every sequence of the step, in token order
+    query_start: list[int]  # flat index of each scheduled sequence's first token
 
 
 def build_model_inputs(
@@ -119,6 +121,8 @@ def build_model_inputs(
         ),
         logits_indices=to_device(logits_indices),
         sampled=sampled,
+        scheduled=list(items),
+        query_start=query_start.tolist(),
     )
 
 

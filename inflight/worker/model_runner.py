@@ -1,7 +1,10 @@
 """Runs one step of the model over a ``SchedulerOutput``; knows nothing of queues.
 
 execute_model: build flat inputs -> forward over all scheduled tokens (paged attention)
--> logits only at each sampling sequence's last token -> batched sampling.
+-> logits only at each sampling sequence's last token -> per-request logits transforms
+(``logits_processors``: allowed tokens, bad words, logit bias, penalties) -> batched
+sampling. Logprobs (``logprobs``) come from the raw logits, only for rows that ask;
+prompt logprobs from the hidden states of the prompt positions of requests that ask.
 
 Failure isolation: a request whose part of the step cannot be prepared (its inputs, its
 sampler state) is left out of the step and reported in ``ModelRunnerOutput.failed_requests``;
@@ -18,11 +21,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from inflight.attention.backend import choose_attention_backend
-from inflight.core.interface import ModelRunnerOutput, SchedulerOutput
+from inflight.core.interface import (
+    ModelRunnerOutput,
+    PromptLogprobsChunk,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from inflight.engine.step_timings import StepTimings
 from inflight.model.llama import LlamaForCausalLM
 from inflight.worker.input_batch import InvalidInputsError, ModelInputs, build_model_inputs
 from inflight.worker.kv_cache import allocate_kv_cache, populate
+from inflight.worker.logits_processors import LogitsProcessors, ProcessorRow
+from inflight.worker.logprobs import prompt_token_logprobs, token_logprobs
 from inflight.worker.sampler import Sampler
 from inflight.worker.structured_output import mask_constrained_rows
 
@@ -46,6 +57,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model.arch, num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler(device)
         self.structured_output = structured_output
+        self.logits_processors = LogitsProcessors(model.arch.vocab_size, device)
         backend = choose_attention_backend(device)
         self.varlen_decode = backend in ("cpp", "cpp-all")
         self.varlen_prefill = backend == "cpp-all"
@@ -57,6 +69,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_request_ids)
+        self.logits_processors.forget(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         with self.timings.measure("prepare_inputs_s"):
@@ -67,11 +80,14 @@ class ModelRunner:
             hidden = self.model(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention
             )
+            prompt_logprobs = self._prompt_logprobs(inputs, hidden)
             if not inputs.sampled:
-                return ModelRunnerOutput(sampled_token_ids={}, failed_requests=failed)
+                return ModelRunnerOutput(
+                    sampled_token_ids={}, failed_requests=failed, prompt_logprobs=prompt_logprobs
+                )
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        request_ids = [s.request_id for s in inputs.sampled]
         with self.timings.measure("sample_s"):
+            request_ids = [s.request_id for s in inputs.sampled]
             # structured outputs: -inf where a constrained row's grammar forbids a token.
             # Applied before the sampler as in vLLM; -inf masks commute with the
             # penalties and the min_tokens mask, so the order among them is immaterial.
@@ -80,26 +96,77 @@ class ModelRunner:
                     self.structured_output, logits, request_ids,
                     [s.sampling_params for s in inputs.sampled],
                 ))
-            suppressed = [s.suppressed_token_ids for s in inputs.sampled]
-            sampled = self.sampler.sample(
-                logits, request_ids, [s.sampling_params for s in inputs.sampled],
-                suppressed if any(suppressed) else None,
-            )
-        failed.update(sampled.failed)
-        tokens = {
-            rid: token
-            for rid, token in zip(request_ids, sampled.token_ids, strict=True)
-            if rid not in failed
-        }
+            tokens, logprobs = self._sample(inputs.sampled, logits, failed)
         grammar_finished: set[str] = set()
         if self.structured_output is not None:  # advance the matchers by the new tokens
             grammar_finished, rejected = self.structured_output.accept_tokens(tokens)
             failed.update(rejected)
             tokens = {rid: t for rid, t in tokens.items() if rid not in rejected}
+            logprobs = {rid: lp for rid, lp in logprobs.items() if rid not in rejected}
         return ModelRunnerOutput(
             sampled_token_ids=tokens, failed_requests=failed,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             grammar_finished_request_ids=grammar_finished,
         )
+
+    def _sample(
+        self, sampled: list[ScheduledRequest], logits: torch.Tensor, failed: dict[str, str]
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Transform the logits, sample, count the new tokens; logprobs from the raw
+        logits for the rows that ask. Rows that fail are added to ``failed``."""
+        request_ids = [s.request_id for s in sampled]
+        rows = [
+            ProcessorRow(s.request_id, s.sampling_params, s.prompt_token_ids) for s in sampled
+        ]
+        processed = self.logits_processors.apply(logits, rows)
+        suppressed = [s.suppressed_token_ids for s in sampled]
+        result = self.sampler.sample(
+            processed, request_ids, [s.sampling_params for s in sampled],
+            suppressed if any(suppressed) else None,
+        )
+        failed.update(result.failed)
+        tokens = {
+            rid: token
+            for rid, token in zip(request_ids, result.token_ids, strict=True)
+            if rid not in failed
+        }
+        self.logits_processors.record(rows, [tokens.get(rid) for rid in request_ids])
+        return tokens, self._sample_logprobs(sampled, logits, tokens)
+
+    @staticmethod
+    def _sample_logprobs(
+        sampled: list[ScheduledRequest], logits: torch.Tensor, tokens: dict[str, int]
+    ) -> dict[str, TokenLogprobs]:
+        asking = [
+            i for i, s in enumerate(sampled)
+            if s.sampling_params.logprobs is not None and s.request_id in tokens
+        ]
+        if not asking:
+            return {}
+        ids = [sampled[i].request_id for i in asking]
+        entries = token_logprobs(
+            logits[torch.tensor(asking, device=logits.device)],
+            [tokens[rid] for rid in ids],
+            [sampled[i].sampling_params.logprobs or 0 for i in asking],
+        )
+        return dict(zip(ids, entries, strict=True))
+
+    def _prompt_logprobs(
+        self, inputs: ModelInputs, hidden: torch.Tensor
+    ) -> dict[str, PromptLogprobsChunk]:
+        """Logprobs of the prompt tokens this step's chunks predict, for requests asking."""
+        chunks: dict[str, PromptLogprobsChunk] = {}
+        for index, item in enumerate(inputs.scheduled):
+            targets = item.prompt_logprob_targets
+            if not targets:
+                continue
+            first = inputs.query_start[index]
+            entries = prompt_token_logprobs(
+                hidden[first : first + len(targets)], self.model.compute_logits, targets,
+                item.sampling_params.prompt_logprobs or 0,
+            )
+            chunks[item.request_id] = PromptLogprobsChunk(item.start_position + 1, entries)
+        return chunks
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput

@@ -90,13 +90,25 @@ def test_a_finished_request_id_can_be_reused() -> None:
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"n": 0}, "n must be"),
-        ({"n": 2}, "n > 1"),
+        ({"n": -1}, "n must be"),
+        ({"best_of": 3, "n": 2}, "best_of is not supported"),
         ({"seed": "x"}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": -2.01}, "presence_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be greater than zero"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
     ],
 )
 def test_sampling_params_reject_bad_values(kwargs: dict, message: str) -> None:
@@ -108,6 +120,13 @@ def test_sampling_params_accept_good_values() -> None:
     params = SamplingParams(temperature=0, top_k=-1, stop="end", max_tokens=None, seed=3)
     assert params.is_greedy and params.stop == ["end"] and params.stop_token_ids == []
     assert SamplingParams.from_dict({"max_tokens": 3, "top_p": 0.9}).max_tokens == 3
+    # The edges of the documented ranges are accepted; JSON's string keys become ints.
+    edge = SamplingParams(
+        n=4, presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01,
+        logit_bias={"7": 100, 8: -100}, allowed_token_ids=[3], logprobs=0,
+        prompt_logprobs=0, max_tokens=0,
+    )
+    assert edge.logit_bias == {7: 100, 8: -100} and edge.max_tokens == 0
 
 
 def test_sampling_params_from_dict_names_unknown_fields() -> None:

@@ -56,7 +56,8 @@ def test_bad_request_rejected_while_others_run(llm, expected, case):
         (dict(temperature=-0.5), "temperature"),
         (dict(top_p=1.5), "top_p"),
         (dict(bogus_field=1), "unknown sampling field"),
-        (dict(n=2), "n > 1"),
+        (dict(n=0), "n must be a positive integer"),
+        (dict(max_tokens=0, n=2), "0 only with prompt_logprobs"),
     ],
 )
 def test_bad_sampling_params_raise(options, message):

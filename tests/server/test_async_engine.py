@@ -229,3 +229,39 @@ def test_shutdown_aborts_requests_in_flight(engine: LLMEngine) -> None:
     finally:
         gate.remove()
     assert last.finished and last.finish_reason == "abort"
+
+
+def test_n_completions_stream_interleaved_by_index(llm: LLM, engine: LLMEngine) -> None:
+    prompt = {"prompt_token_ids": [5, 60, 7, 80, 9, 11]}
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=6, ignore_eos=True, logprobs=2)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0]
+    recorder = Recorder()
+
+    async def body(async_engine: AsyncLLMEngine) -> list[RequestDelta]:
+        return await drain(async_engine, "multi", prompt, params)
+
+    deltas = run(engine, body, (recorder,))
+    assert {d.index for d in deltas} == {0, 1, 2}
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    for completion in expected.outputs:
+        mine = [d for d in deltas if d.index == completion.index]
+        assert [t for d in mine for t in d.token_ids] == completion.token_ids
+        assert "".join(d.text for d in mine) == completion.text
+        assert [p for d in mine for p in d.logprobs or []] == completion.logprobs
+        assert mine[-1].finish_reason == "length"
+        assert mine[-1].cumulative_logprob == completion.cumulative_logprob
+    assert [s.n for s in recorder.finished] == [3]
+    assert recorder.finished[0].num_output_tokens == 18
+
+
+def test_prompt_logprobs_with_no_generation_stream_one_final_delta(llm: LLM, engine: LLMEngine) -> None:
+    prompt = {"prompt_token_ids": [5, 60, 7, 80]}
+    params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0]
+
+    async def body(async_engine: AsyncLLMEngine) -> list[RequestDelta]:
+        return await drain(async_engine, "echo", prompt, params)
+
+    deltas = run(engine, body)
+    assert len(deltas) == 1 and deltas[0].finished and deltas[0].finish_reason == "length"
+    assert deltas[0].token_ids == [] and deltas[0].prompt_logprobs == expected.prompt_logprobs

@@ -108,10 +108,8 @@ def test_out_of_range(tiny_server: ServerProcess, field: str, value: Any) -> Non
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"best_of": 3}, "best_of"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"best_of": 3}, "best_of"),  # n completions are all returned: best_of must be n
+        ({"logprobs": 1, "echo": True, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
         ({"min_tokens": 9}, "min_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": []}, "prompt"),

@@ -99,11 +99,21 @@ IMPLEMENTED_SHARED: dict[str, dict[str, Any]] = {
     "return_token_offsets": {"return_token_offsets": True},
     "return_mm_kwargs": {"return_mm_kwargs": False},
     "cache_salt": {"cache_salt": "salt"},
+    "n": {"n": 2},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "frequency_penalty": {"frequency_penalty": 0.5},
+    "logit_bias": {"logit_bias": {"5": 1.0}},
+    "repetition_penalty": {"repetition_penalty": 1.2},
+    "allowed_token_ids": {"allowed_token_ids": [3, 4]},
+    "bad_words": {"bad_words": ["w3"]},
+    "prompt_logprobs": {"prompt_logprobs": 1},
 }
 IMPLEMENTED_COMPLETION = IMPLEMENTED_SHARED | {
     "prompt": {"prompt": [3, 4]},
     "echo": {"echo": True},
     "add_special_tokens": {"add_special_tokens": False},
+    "logprobs": {"logprobs": 1},
+    "best_of": {"best_of": 2, "n": 2},
 }
 IMPLEMENTED_CHAT = IMPLEMENTED_SHARED | {
     "messages": {
@@ -131,23 +141,17 @@ IMPLEMENTED_CHAT = IMPLEMENTED_SHARED | {
     "chat_template": {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
     "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
     "return_prompt_text": {"return_prompt_text": True},
+    "logprobs": {"logprobs": True},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 2},
 }
 
 # Refused fields: (a value that must be refused, the neutral value that must still work).
 REFUSED_SHARED: dict[str, tuple[Any, Any]] = {
-    "n": (2, 1),
-    "presence_penalty": (0.5, 0),
-    "frequency_penalty": (0.5, 0.0),
-    "logit_bias": ({"5": 1.0}, None),
     "response_format": ({"type": "json_object"}, {"type": "text"}),
-    "repetition_penalty": (1.2, 1.0),
     "spaces_between_special_tokens": (False, True),
     "use_beam_search": (True, False),
     "length_penalty": (0.5, 1.0),
     "watermarking": (True, False),
-    "allowed_token_ids": ([3], None),
-    "bad_words": (["w3"], []),
-    "prompt_logprobs": (1, None),
     "logprob_token_ids": ([3], None),
     "structured_outputs": ({"regex": "w[0-9]"}, None),
     "return_tokens_as_token_ids": (True, False),
@@ -160,14 +164,10 @@ REFUSED_SHARED: dict[str, tuple[Any, Any]] = {
     "stream_interval": (2, 1),
 }
 REFUSED_COMPLETION = REFUSED_SHARED | {
-    "logprobs": (1, None),
-    "best_of": (2, 1),
     "suffix": ("w9", None),
     "prompt_embeds": ("AAAA", None),
 }
 REFUSED_CHAT = REFUSED_SHARED | {
-    "logprobs": (True, False),
-    "top_logprobs": (2, 0),
     "tools": ([{"type": "function", "function": {"name": "f"}}], None),
     "tool_choice": ("required", "none"),
     "functions": ([{"name": "f"}], None),

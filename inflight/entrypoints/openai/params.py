@@ -109,9 +109,23 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None) -> Sampl
     """OpenAI defaults where the request is silent; engine errors become 400s.
 
     Only implemented fields reach the engine: refused ones were checked neutral before.
+    Logprobs: completions' ``logprobs`` is the engine's; chat's ``top_logprobs`` is, when
+    ``logprobs`` is true. Completions with ``echo`` and ``logprobs`` (or ``max_tokens: 0``
+    with ``echo``) also ask for the prompt's logprobs, which the echoed tokens report.
     """
+    logprobs, logprobs_param = _logprobs_of(request)
+    _check_best_of(request)
+    prompt_logprobs = _prompt_logprobs_of(request, max_tokens)
+    if max_tokens == 0 and prompt_logprobs is None:
+        raise bad_request(
+            "max_tokens must be at least 1, or 0 with echo or prompt_logprobs (the prompt's "
+            "logprobs alone).",
+            "max_tokens",
+            "invalid_value",
+        )
     try:
         return SamplingParams(
+            n=1 if request.n is None else request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
@@ -124,6 +138,66 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None) -> Sampl
             ignore_eos=request.ignore_eos,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if request.repetition_penalty is None else request.repetition_penalty
+            ),
+            logit_bias=dict(request.logit_bias) if request.logit_bias else None,  # type: ignore[arg-type]
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words or None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as error:
-        raise from_engine_error(error) from error
+        openai_error = from_engine_error(error)
+        if openai_error.param == "logprobs":
+            openai_error.param = logprobs_param
+        raise openai_error from error
+
+
+def echo_logprobs(request: GenerationRequest) -> bool:
+    """Completions whose echoed prompt reports its tokens' logprobs."""
+    return (
+        isinstance(request, CompletionRequest)
+        and bool(request.echo)
+        and request.logprobs is not None
+    )
+
+
+def _logprobs_of(request: GenerationRequest) -> tuple[int | None, str]:
+    """The engine's ``logprobs`` (top k per generated token) and the field that set it."""
+    if isinstance(request, CompletionRequest):
+        return request.logprobs, "logprobs"
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request(
+            "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+        )
+    return (request.top_logprobs or 0 if request.logprobs else None), "top_logprobs"
+
+
+def _prompt_logprobs_of(request: GenerationRequest, max_tokens: int | None) -> int | None:
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request(
+            "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+        )
+    if request.prompt_logprobs is not None:
+        return request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo:
+        if request.logprobs is not None:
+            return request.logprobs
+        if max_tokens == 0:
+            return 0  # the engine only prefills; the echoed prompt is the whole answer
+    return None
+
+
+def _check_best_of(request: GenerationRequest) -> None:
+    best_of = getattr(request, "best_of", None)
+    n = 1 if request.n is None else request.n
+    if best_of is not None and best_of != n:
+        raise bad_request(
+            f"best_of must be omitted or equal to n (got best_of={best_of}, n={n}): this "
+            "server returns every completion it generates and does not rank extra "
+            "candidates; ask for n completions instead.",
+            "best_of",
+        )

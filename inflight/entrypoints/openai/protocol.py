@@ -49,7 +49,7 @@ class _GenerationFields(_Request):
     seed: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's sampling extras
@@ -67,9 +67,11 @@ class _GenerationFields(_Request):
     watermarking: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = (
+        None
+    )
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
     logprob_token_ids: list[int] | None = None
     structured_outputs: dict[str, Any] | None = None
     # vLLM's extra parameters
@@ -100,9 +102,10 @@ class _GenerationFields(_Request):
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # 0 only with echo or prompt_logprobs: the prompt's logprobs alone (lm-eval scoring)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
     prompt_embeds: Any = None
@@ -132,7 +135,7 @@ class ChatCompletionRequest(_GenerationFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -214,14 +217,55 @@ class UsageInfo(_Response):
         )
 
 
+class LogprobInfo(_Response):
+    """vLLM's ``Logprob`` in ``prompt_logprobs``: rank 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, token id -> logprob; the first entry null.
+PromptLogprobsBody = list[dict[int, LogprobInfo] | None]
+
+
+class CompletionLogprobs(_Response):
+    """OpenAI's completions ``logprobs``: per token its text, logprob, the most likely
+    tokens (the sampled one always included) and where it starts in the choice's text.
+    With ``echo`` the prompt's tokens come first, the very first with null logprobs."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsBody | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -252,7 +296,7 @@ class ChatResponseMessage(_Response):
 class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -267,7 +311,7 @@ class ChatCompletionResponse(_Response):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     usage: UsageInfo
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsBody | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: None = None
@@ -283,7 +327,7 @@ class ChatDelta(_Response):
 class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None

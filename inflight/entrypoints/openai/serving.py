@@ -13,7 +13,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request, Response
@@ -33,6 +33,7 @@ from inflight.entrypoints.openai.errors import (
     from_validation_error,
 )
 from inflight.metrics.prometheus import PrometheusMetrics
+from inflight.outputs import PromptLogprobs, SampleLogprobs
 from inflight.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
@@ -95,11 +96,13 @@ async def add_requests(
     priority: int,
     arrival_time: float,
     cache_salt: str | None = None,
+    logprobs_param: str = "logprobs",
 ) -> list[RequestStream]:
     """Add one engine request per prompt; all or none are kept.
 
     Engine ids are ``base_id-i-<random>``: ``base_id`` may come from the client (vLLM's
-    ``request_id``), so it alone need not be unique.
+    ``request_id``), so it alone need not be unique. An engine refusal of the logprobs
+    count names ``logprobs_param`` (chat calls it ``top_logprobs``).
     """
     streams: list[RequestStream] = []
     suffix = uuid.uuid4().hex[:8]
@@ -122,25 +125,70 @@ async def add_requests(
         if isinstance(error, EngineDeadError):
             raise OpenAIError(503, str(error), SERVER_ERROR) from error
         if isinstance(error, (ValueError, TypeError)):
-            raise from_engine_error(error) from error
+            openai_error = from_engine_error(error)
+            if openai_error.param == "logprobs":
+                openai_error.param = logprobs_param
+            raise openai_error from error
         raise
     return streams
 
 
-async def collect(stream: RequestStream) -> tuple[str, list[int], RequestDelta]:
-    """All of a request's text and token ids, and its final delta; aborts it if cancelled."""
-    parts: list[str] = []
-    token_ids: list[int] = []
+@dataclass(slots=True)
+class Completion:
+    """One completion (``index``) of a request, gathered from its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass(slots=True)
+class Collected:
+    """A whole request: its n completions by index, and what the prompt reported."""
+
+    completions: list[Completion]
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+
+async def collect(stream: RequestStream, n: int = 1) -> Collected:
+    """All of a request's ``n`` completions; aborts the request if cancelled."""
+    result = Collected([Completion(i) for i in range(n)])
     last: RequestDelta | None = None
     try:
         async for delta in stream:
-            parts.append(delta.text)
-            token_ids.extend(delta.token_ids)
+            result.completions[delta.index].add(delta)
+            if delta.prompt_logprobs is not None:
+                result.prompt_logprobs = delta.prompt_logprobs
             last = delta
     finally:
         stream.close()
     assert last is not None and last.finished
-    return "".join(parts), token_ids, last
+    result.num_prompt_tokens = last.num_prompt_tokens
+    result.num_cached_tokens = last.num_cached_tokens
+    for completion in result.completions:  # the request's end ends every completion
+        if completion.finish_reason is None:
+            completion.finish_reason = last.finish_reason
+    return result
 
 
 async def merge_streams(

@@ -4,12 +4,14 @@ The prompt is built by the same renderer as ``LLM.chat`` (``entrypoints/chat_uti
 so greedy answers match the offline API's. As in vLLM, the answer's role is
 ``assistant`` when a generation prompt is added, else the final message's role, and
 ``echo`` puts the final message's content before the answer when the roles match.
+``n`` answers are choices 0..n-1 (streamed chunks interleave by ``index``); ``logprobs``
+with ``top_logprobs`` gives OpenAI's ``logprobs.content`` per choice.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from inflight.engine.request_stream import EngineDeadError, RequestStream
 from inflight.entrypoints.chat_utils import ChatOptions, RenderedChat, render_chat
 from inflight.entrypoints.openai.errors import bad_request
+from inflight.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from inflight.entrypoints.openai.params import (
     check_length,
     check_prompt_ids,
@@ -29,6 +32,7 @@ from inflight.entrypoints.openai.params import (
 )
 from inflight.entrypoints.openai.protocol import (
     ChatChoice,
+    ChatChoiceLogprobs,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -50,6 +54,7 @@ from inflight.entrypoints.openai.serving import (
     sse,
     until_disconnect,
 )
+from inflight.outputs import SampleLogprobs
 
 
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
@@ -87,8 +92,11 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         request.priority,
         arrival_time,
         request.cache_salt,
+        logprobs_param="top_logprobs",
     )
-    reply = _reply(request, request_id, model, rendered, token_ids)
+    tokenizer = state.engine.tokenizer
+    reply = _reply(request, request_id, model, rendered, token_ids, params.n)
+    reply.decode = lambda token_id: str(tokenizer.decode([token_id]))
     if request.stream:
         events = _stream(reply, stream, request.include_usage, request.continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -127,7 +135,7 @@ def _with_template(options: ChatOptions, template: str) -> ChatOptions:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Reply:
     """What the answer carries besides the engine's deltas."""
 
@@ -139,6 +147,18 @@ class _Reply:
     prompt_text: str | None  # when return_prompt_text is set
     return_token_ids: bool
     num_prompt_tokens: int
+    n: int = 1
+    top_logprobs: int | None = None  # with logprobs: how many alternatives per token
+    decode: Callable[[int], str] = str
+
+    def logprobs(
+        self, token_ids: Sequence[int], logprobs: SampleLogprobs | None
+    ) -> ChatChoiceLogprobs | None:
+        if self.top_logprobs is None:
+            return None
+        return ChatChoiceLogprobs(
+            content=chat_logprobs(token_ids, logprobs or [], self.top_logprobs, self.decode)
+        )
 
 
 def _reply(
@@ -147,6 +167,7 @@ def _reply(
     model: str,
     rendered: RenderedChat,
     token_ids: list[int],
+    n: int,
 ) -> _Reply:
     last = rendered.conversation[-1]
     role = "assistant" if request.add_generation_prompt else str(last["role"])
@@ -160,29 +181,36 @@ def _reply(
         prompt_text=rendered.prompt if request.return_prompt_text else None,
         return_token_ids=bool(request.return_token_ids),
         num_prompt_tokens=len(token_ids),
+        n=n,
+        top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
     )
 
 
 async def _complete(reply: _Reply, stream: RequestStream) -> Response:
     try:
-        text, token_ids, last = await collect(stream)
+        result = await collect(stream, reply.n)
     except EngineDeadError as error:
         raise engine_failure(error) from error
-    choice = ChatChoice(
-        index=0,
-        message=ChatResponseMessage(role=reply.role, content=reply.echo + text),
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        token_ids=token_ids if reply.return_token_ids else None,
-    )
+    choices = [
+        ChatChoice(
+            index=completion.index,
+            message=ChatResponseMessage(role=reply.role, content=reply.echo + completion.text),
+            logprobs=reply.logprobs(completion.token_ids, completion.logprobs),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            token_ids=completion.token_ids if reply.return_token_ids else None,
+        )
+        for completion in result.completions
+    ]
     return json_response(
         ChatCompletionResponse(
             id=reply.request_id,
             model=reply.model,
-            choices=[choice],
+            choices=choices,
             usage=UsageInfo.of(
-                last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens
+                result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens
             ),
+            prompt_logprobs=prompt_logprobs_body(result.prompt_logprobs),
             prompt_token_ids=reply.prompt_token_ids,
             prompt_text=reply.prompt_text,
         )
@@ -193,7 +221,12 @@ async def _stream(
     reply: _Reply, stream: RequestStream, include_usage: bool, continuous_usage: bool
 ) -> AsyncIterator[str]:
     created = int(time.time())
-    usage = UsageInfo.of(reply.num_prompt_tokens, 0)
+    completion_tokens = [0] * reply.n
+    cached_tokens = 0
+    ended: set[int] = set()
+
+    def usage() -> UsageInfo:
+        return UsageInfo.of(reply.num_prompt_tokens, sum(completion_tokens), cached_tokens)
 
     def chunk(choices: list[ChatChunkChoice], first: bool = False) -> str:
         return sse(
@@ -202,30 +235,35 @@ async def _stream(
                 created=created,
                 model=reply.model,
                 choices=choices,
-                usage=usage if continuous_usage else None,
+                usage=usage() if continuous_usage else None,
                 prompt_token_ids=reply.prompt_token_ids if first else None,
                 prompt_text=reply.prompt_text if first else None,
             )
         )
 
     try:
-        # OpenAI's first chunk carries the role and no text; echoed text comes next.
-        yield chunk(
-            [ChatChunkChoice(index=0, delta=ChatDelta(role=reply.role, content=""))], first=True
-        )
-        if reply.echo:
-            yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=reply.echo))])
+        # OpenAI's first chunk of each choice carries the role and no text; echoed text
+        # comes next.
+        for index in range(reply.n):
+            role = ChatDelta(role=reply.role, content="")
+            yield chunk([ChatChunkChoice(index=index, delta=role)], first=index == 0)
+            if reply.echo:
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=reply.echo))])
         async for delta in stream:
-            usage = UsageInfo.of(
-                delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
-            )
+            completion_tokens[delta.index] = delta.num_output_tokens
+            cached_tokens = delta.num_cached_tokens
+            if delta.index in ended and not delta.text and not delta.token_ids:
+                continue  # nothing new for a choice whose end went out already
+            if delta.finish_reason is not None:
+                ended.add(delta.index)
             yield chunk(
                 [
                     ChatChunkChoice(
-                        index=0,
+                        index=delta.index,
                         delta=ChatDelta(content=delta.text),
-                        finish_reason=delta.finish_reason if delta.finished else None,
-                        stop_reason=delta.stop_reason if delta.finished else None,
+                        logprobs=reply.logprobs(delta.token_ids, delta.logprobs),
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason if delta.finish_reason else None,
                         token_ids=list(delta.token_ids) if reply.return_token_ids else None,
                     )
                 ]
@@ -233,7 +271,11 @@ async def _stream(
         if include_usage:
             yield sse(
                 ChatCompletionChunk(
-                    id=reply.request_id, created=created, model=reply.model, choices=[], usage=usage
+                    id=reply.request_id,
+                    created=created,
+                    model=reply.model,
+                    choices=[],
+                    usage=usage(),
                 )
             )
     except EngineDeadError as error:

@@ -1,30 +1,41 @@
 """``POST /v1/completions``: one engine request per prompt, JSON or server-sent events.
 
 ``prompt`` may be a string, a list of strings, a list of token ids, or a list of token-id
-lists (as in vLLM); each prompt becomes choice ``index`` ``i`` of the answer.
+lists (as in vLLM); with ``n`` completions per prompt, completion ``j`` of prompt ``i``
+is choice ``index`` ``i * n + j`` (vLLM's numbering), and streamed chunks of different
+choices interleave. ``logprobs`` gives OpenAI's ``logprobs`` object per choice; with
+``echo`` it starts with the prompt's tokens (the first one's logprob null), which is what
+evaluation harnesses score (``max_tokens: 0`` returns the prompt alone).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from inflight.engine.request_stream import EngineDeadError, RequestStream
+from inflight.engine.request_stream import EngineDeadError, RequestDelta, RequestStream
 from inflight.entrypoints.openai.errors import bad_request
+from inflight.entrypoints.openai.logprobs import (
+    CompletionLogprobsBuilder,
+    merge,
+    prompt_logprobs_body,
+)
 from inflight.entrypoints.openai.params import (
     check_length,
     check_prompt_ids,
     check_supported,
+    echo_logprobs,
     sampling_params,
     truncate_prompt,
 )
 from inflight.entrypoints.openai.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
@@ -32,6 +43,8 @@ from inflight.entrypoints.openai.protocol import (
 from inflight.entrypoints.openai.serving import (
     SSE_DONE,
     SSE_HEADERS,
+    Collected,
+    Completion,
     ServerState,
     add_requests,
     collect,
@@ -42,6 +55,7 @@ from inflight.entrypoints.openai.serving import (
     sse,
     until_disconnect,
 )
+from inflight.outputs import PromptLogprobs
 
 Prompt = tuple[str | None, list[int]]
 
@@ -63,9 +77,18 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         arrival_time,
         request.cache_salt,
     )
-    echoes = [_echo_text(state, p) if request.echo else "" for p in prompts]
-    prompt_ids = [ids for _, ids in prompts] if request.return_token_ids else None
-    reply = _Reply(request_id, model, echoes, prompt_ids)
+    tokenizer = state.engine.tokenizer
+    reply = _Reply(
+        request_id=request_id,
+        model=model,
+        n=params.n,
+        echoes=[_echo_text(state, p) if request.echo else "" for p in prompts],
+        prompt_ids=[ids for _, ids in prompts],
+        return_token_ids=bool(request.return_token_ids),
+        logprobs=request.logprobs is not None,
+        echo_logprobs=echo_logprobs(request),
+        decode=lambda token_id: str(tokenizer.decode([token_id])),
+    )
     if request.stream:
         usage = _StreamUsage(request.include_usage, request.continuous_usage)
         events = _stream(reply, streams, usage)
@@ -79,8 +102,16 @@ class _Reply:
 
     request_id: str
     model: str
+    n: int  # completions per prompt
     echoes: list[str]  # per prompt: its text when echo is set, else ""
-    prompt_token_ids: list[list[int]] | None  # per prompt, when return_token_ids is set
+    prompt_ids: list[list[int]]  # per prompt
+    return_token_ids: bool
+    logprobs: bool  # the choices carry OpenAI's logprobs object
+    echo_logprobs: bool  # ... starting with the echoed prompt's tokens
+    decode: Callable[[int], str]  # one token's text
+
+    def prompt_token_ids(self, prompt: int) -> list[int] | None:
+        return self.prompt_ids[prompt] if self.return_token_ids else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,25 +162,57 @@ def _echo_text(state: ServerState, prompt: Prompt) -> str:
     return str(state.engine.tokenizer.decode(token_ids))
 
 
+def _choice_logprobs(
+    reply: _Reply,
+    builder: CompletionLogprobsBuilder,
+    prompt: int,
+    prompt_logprobs: PromptLogprobs | None,
+    completion: Completion | RequestDelta,
+    with_prompt: bool,
+) -> CompletionLogprobs | None:
+    """The logprobs of a choice's new tokens, after the echoed prompt's when asked."""
+    if not reply.logprobs:
+        return None
+    parts: list[CompletionLogprobs] = []
+    if with_prompt and reply.echo_logprobs and prompt_logprobs is not None:
+        parts.append(builder.prompt(reply.prompt_ids[prompt], prompt_logprobs))
+    parts.append(builder.generated(completion.token_ids, completion.logprobs or []))
+    return merge(parts)
+
+
+def _choices(reply: _Reply, prompt: int, result: Collected) -> list[CompletionChoice]:
+    return [
+        CompletionChoice(
+            index=prompt * reply.n + completion.index,
+            text=reply.echoes[prompt] + completion.text,
+            logprobs=_choice_logprobs(
+                reply,
+                CompletionLogprobsBuilder(reply.decode),
+                prompt,
+                result.prompt_logprobs,
+                completion,
+                with_prompt=True,
+            ),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            token_ids=completion.token_ids if reply.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs_body(result.prompt_logprobs),
+            prompt_token_ids=reply.prompt_token_ids(prompt),
+        )
+        for completion in result.completions
+    ]
+
+
 async def _complete(reply: _Reply, streams: list[RequestStream]) -> Response:
     try:
-        results = await asyncio.gather(*(collect(s) for s in streams))
+        results = await asyncio.gather(*(collect(s, reply.n) for s in streams))
     except EngineDeadError as error:
         raise engine_failure(error) from error
-    choices = [
-        CompletionChoice(
-            index=i,
-            text=reply.echoes[i] + text,
-            finish_reason=last.finish_reason,
-            stop_reason=last.stop_reason,
-            token_ids=token_ids if reply.prompt_token_ids is not None else None,
-            prompt_token_ids=reply.prompt_token_ids[i] if reply.prompt_token_ids else None,
-        )
-        for i, (text, token_ids, last) in enumerate(results)
-    ]
-    prompt_tokens = sum(last.num_prompt_tokens for _, _, last in results)
-    completion_tokens = sum(last.num_output_tokens for _, _, last in results)
-    cached_tokens = sum(last.num_cached_tokens for _, _, last in results)
+    choices = [c for prompt, result in enumerate(results) for c in _choices(reply, prompt, result)]
+    # OpenAI's usage: each prompt counted once, every completion's tokens counted.
+    prompt_tokens = sum(r.num_prompt_tokens for r in results)
+    completion_tokens = sum(r.num_output_tokens for r in results)
+    cached_tokens = sum(r.num_cached_tokens for r in results)
     return json_response(
         CompletionResponse(
             id=reply.request_id,
@@ -160,47 +223,73 @@ async def _complete(reply: _Reply, streams: list[RequestStream]) -> Response:
     )
 
 
+@dataclass(slots=True)
+class _StreamState:
+    """Per prompt and per choice, what the chunks sent so far leave to do."""
+
+    reply: _Reply
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    prompt_logprobs: list[PromptLogprobs | None]
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    started: set[int] = field(default_factory=set)  # choices whose first chunk went out
+    ended: set[int] = field(default_factory=set)  # choices whose finish_reason went out
+    builders: dict[int, CompletionLogprobsBuilder] = field(default_factory=dict)
+
+    def totals(self) -> UsageInfo:
+        return UsageInfo.of(
+            sum(self.prompt_tokens), sum(self.completion_tokens.values()), sum(self.cached_tokens)
+        )
+
+    def choice(self, prompt: int, delta: RequestDelta) -> CompletionChoice | None:
+        """The chunk's choice for ``delta``; None when it adds nothing to an ended choice."""
+        reply = self.reply
+        index = prompt * reply.n + delta.index
+        self.prompt_tokens[prompt] = delta.num_prompt_tokens
+        self.cached_tokens[prompt] = delta.num_cached_tokens
+        self.completion_tokens[index] = delta.num_output_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = delta.prompt_logprobs
+        if index in self.ended and not delta.text and not delta.token_ids:
+            return None
+        first = index not in self.started
+        self.started.add(index)
+        if delta.finish_reason is not None:
+            self.ended.add(index)
+        builder = self.builders.setdefault(index, CompletionLogprobsBuilder(reply.decode))
+        return CompletionChoice(
+            index=index,
+            # the prompt is echoed once, in the choice's first chunk
+            text=(reply.echoes[prompt] if first else "") + delta.text,
+            logprobs=_choice_logprobs(
+                reply, builder, prompt, self.prompt_logprobs[prompt], delta, with_prompt=first
+            ),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason if delta.finish_reason is not None else None,
+            token_ids=list(delta.token_ids) if reply.return_token_ids else None,
+            # vLLM sends a choice's prompt ids once, in its first chunk
+            prompt_token_ids=reply.prompt_token_ids(prompt) if first else None,
+        )
+
+
 async def _stream(
     reply: _Reply, streams: list[RequestStream], usage: _StreamUsage
 ) -> AsyncIterator[str]:
     created = int(time.time())
-    echoes = list(reply.echoes)
-    first = [True] * len(streams)
-    prompt_tokens = [0] * len(streams)
-    completion_tokens = [0] * len(streams)
-    cached_tokens = [0] * len(streams)
-
-    def totals() -> UsageInfo:
-        return UsageInfo.of(sum(prompt_tokens), sum(completion_tokens), sum(cached_tokens))
-
+    count = len(streams)
+    state = _StreamState(reply, [0] * count, [0] * count, [None] * count)
     try:
-        async for index, delta in merge_streams(streams):
-            prompt_tokens[index] = delta.num_prompt_tokens
-            completion_tokens[index] = delta.num_output_tokens
-            cached_tokens[index] = delta.num_cached_tokens
-            want_ids = reply.prompt_token_ids is not None
-            choice = CompletionChoice(
-                index=index,
-                text=echoes[index] + delta.text,
-                finish_reason=delta.finish_reason if delta.finished else None,
-                stop_reason=delta.stop_reason if delta.finished else None,
-                token_ids=list(delta.token_ids) if want_ids else None,
-                # vLLM sends a choice's prompt ids once, in its first chunk
-                prompt_token_ids=(
-                    reply.prompt_token_ids[index]
-                    if reply.prompt_token_ids is not None and first[index]
-                    else None
-                ),
-            )
-            echoes[index] = ""  # the prompt is echoed once, in the first chunk
-            first[index] = False
+        async for prompt, delta in merge_streams(streams):
+            choice = state.choice(prompt, delta)
+            if choice is None:
+                continue
             yield sse(
                 CompletionResponse(
                     id=reply.request_id,
                     created=created,
                     model=reply.model,
                     choices=[choice],
-                    usage=totals() if usage.continuous else None,
+                    usage=state.totals() if usage.continuous else None,
                 )
             )
         if usage.final:
@@ -210,7 +299,7 @@ async def _stream(
                     created=created,
                     model=reply.model,
                     choices=[],
-                    usage=totals(),
+                    usage=state.totals(),
                 )
             )
     except EngineDeadError as error:
