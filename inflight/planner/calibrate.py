@@ -27,11 +27,17 @@ from inflight.planner.cost_model import CostModel, fit_trace
 class CalibrationPlan:
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
     context_lens: tuple[int, ...] = (32, 256, 1024)
-    prefill_lens: tuple[int, ...] = (64, 512, 2048)
+    prefill_lens: tuple[int, ...] = (64, 512, 1024)
     decode_steps: int = 6
     # A decode phase's prompts hold at most this many tokens in all (prefill is slow).
-    max_prompt_tokens: int = 8192
+    max_prompt_tokens: int = 4096
     seed: int = 0
+
+    def num_kv_blocks(self, block_size: int) -> int:
+        """Blocks enough for the largest phase of the sweep."""
+        longest = max(self.max_prompt_tokens, *self.prefill_lens)
+        per_request = self.decode_steps + 2 + block_size  # generated tokens, partial blocks
+        return (longest + max(self.batch_sizes) * 2 * per_request) // block_size + 64
 
     def decode_phases(self, max_model_len: int) -> list[tuple[int, int]]:
         return [
@@ -103,6 +109,10 @@ def calibrate(
     set_threads(threads)
     options = {**options, "record_trace": True, "batching": "continuous"}
     options["max_num_seqs"] = max(options.get("max_num_seqs") or 1, max(plan.batch_sizes))
+    if options.get("num_kv_blocks") is None:
+        # Room for the largest phase only: mapping a 2 GiB default cache would cost more
+        # than the sweep, and step time depends on the blocks read, not on those held.
+        options["num_kv_blocks"] = plan.num_kv_blocks(options.get("block_size") or 16)
     engine = LLM(model, **options).llm_engine
     engine.populate_kv_cache()
     records = run_sweep(engine, plan)

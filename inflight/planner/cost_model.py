@@ -119,6 +119,8 @@ class CostModel:
     source: str = "built-in"
     held_out: FitError | None = None
     num_fit_steps: int = 0
+    # Training steps left out as slowed down by something else (see ``_robust_fit``).
+    num_outliers: int = 0
     info: dict = field(default_factory=dict)
 
     @property
@@ -177,6 +179,8 @@ class CostModel:
                 f"({e.mean_abs_pct_error:.1%}), total time error {e.total_time_error:+.1%}, "
                 f"R2 {e.r2:.3f}"
             )
+        if self.num_outliers:
+            lines.append(f"  {self.num_outliers} slowed-down training steps left out of the fit")
         return "\n".join(lines)
 
 
@@ -254,6 +258,28 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _robust_fit(x: np.ndarray, y: np.ndarray, rounds: int = 4) -> tuple[np.ndarray, int]:
+    """Fit relative errors (steps span milliseconds to seconds, and a serving run is
+    mostly short decode steps), then leave out steps far *slower* than the fit says and
+    refit. On a shared machine other processes only ever add time, and a few steps
+    slowed tenfold would otherwise drag every coefficient; the held-out score still
+    counts every held-out step."""
+    y = np.maximum(y, 1e-6)
+    keep = np.ones(len(y), dtype=bool)
+    coef = np.zeros(x.shape[1])
+    for _ in range(rounds):
+        weight = 1.0 / y[keep]
+        coef = _nonnegative_lstsq(x[keep] * weight[:, None], y[keep] * weight)
+        log_ratio = np.log(y / np.maximum(x @ coef, 1e-9))
+        centre = float(np.median(log_ratio[keep]))
+        spread = 1.4826 * float(np.median(np.abs(log_ratio[keep] - centre)))
+        new_keep = log_ratio <= centre + 3 * max(spread, 0.05)
+        if (new_keep == keep).all() or new_keep.sum() < x.shape[1] + 2:
+            break
+        keep = new_keep
+    return coef, int((~keep).sum())
+
+
 def score(model: CostModel, features: Sequence[StepFeatures], durations: Sequence[float]) -> FitError:
     predicted = np.array([model.step_time(f) for f in features])
     measured = np.asarray(durations, dtype=float)
@@ -286,14 +312,15 @@ def fit(
     x = np.array([f.vector() for f in features])
     y = np.asarray(durations, dtype=float)
     train = ~np.array(held)
-    coef = _nonnegative_lstsq(x[train], y[train])
+    coef, num_outliers = _robust_fit(x[train], y[train])
     a, b, c, d, e, f = (float(v) for v in coef)
     model = CostModel(
         a, b, c, d, e, f,
         kv_bytes_per_token=kv_bytes_per_token,
         max_model_len=max_model_len,
         source=source,
-        num_fit_steps=int(train.sum()),
+        num_fit_steps=int(train.sum()) - num_outliers,
+        num_outliers=num_outliers,
         info={"created": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_name(),
               **(info or {})},
     )
