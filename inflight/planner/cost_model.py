@@ -184,16 +184,18 @@ class CostModel:
         return "\n".join(lines)
 
 
-# Measured on this project's development VM (SmolLM2-135M-Instruct, bfloat16, 2 shared
-# CPU cores) with ``inflight calibrate``; used when no calibration exists on a machine.
+# Used when no calibration exists on a machine. Not a step-level calibration: fitted by
+# hand, through the simulator, to the README's quiet-machine measurements of whole runs of
+# SmolLM2-135M-Instruct in bfloat16 on the project's 2-core Xeon VM (mixed with 256 slots
+# and 4096 batched tokens 60.8-64.6 s, simulated 61.7 s; seed8 8.4 s, simulated 7.8 s; one
+# stream 70.0 tokens/s, simulated 69.8).
 BUILTIN = CostModel(
-    intercept_s=0.020,
-    per_prefill_token_s=0.00040,
-    per_prefill_chunk_s=0.0,
-    per_decode_seq_s=0.0012,
-    per_decode_kv_token_s=2e-7,
-    per_prefill_kv_pair_s=5e-9,
-    source="built-in (SmolLM2-135M-Instruct, bfloat16, a 2-core CPU VM)",
+    intercept_s=0.0135,
+    per_prefill_token_s=0.0006,
+    per_decode_seq_s=0.0004,
+    per_decode_kv_token_s=5e-7,
+    source="built-in (SmolLM2-135M-Instruct, bfloat16, fitted to whole runs on a 2-core "
+    "Xeon VM; run 'inflight calibrate' for this machine)",
 )
 
 
