@@ -179,9 +179,11 @@ def plot_sweep(
                     color=colour, alpha=0.7, label=f"{mode} P50")
         if slo_s is not None and (broken := knee(ours, slo_s, mode)) is not None:
             ax_ttft.axvline(broken.value, color=colour, linestyle=":", linewidth=1.5)
+            left_half = broken.value <= (min(xs) + max(xs)) / 2
             ax_ttft.annotate(
                 f"knee ({mode})\n{key}={broken.value:g}", (broken.value, broken.p99_ttft_s),
-                textcoords="offset points", xytext=(-70, 10), fontsize=8, color=colour,
+                textcoords="offset points", xytext=(6, 8) if left_half else (-6, 8),
+                ha="left" if left_half else "right", fontsize=8, color=colour,
             )
     if slo_s is not None:
         ax_ttft.axhline(slo_s, color="#333333", linestyle="--", linewidth=1,
