@@ -319,9 +319,16 @@ def _validate(args: argparse.Namespace, spec: Any, cost: Any, options: dict[str,
         rates = list(values)
     engine_options = {k: v for k, v in options.items() if v is not None}
     engine_options.update(dtype=args.dtype, device=args.device)
-    comparisons = validate(spec, rates, cost, args.model, engine_options, args.threads)
-    path = write_json(out_dir / "validation.json", comparisons, cost)
-    print(f"\nresults: {path}")
+    def save(comparisons: list[Any]) -> None:
+        from inflight.engine.step_trace import StepTrace
+
+        path = write_json(out_dir / "validation.json", comparisons, cost)
+        last = comparisons[-1]
+        trace = out_dir / f"trace_real_{len(comparisons)}.jsonl"
+        StepTrace(enabled=True, records=last.real_records).write_jsonl(trace)
+        print(f"results so far: {path}; the real run's step trace: {trace}", flush=True)
+
+    validate(spec, rates, cost, args.model, engine_options, args.threads, on_result=save)
     return 0
 
 

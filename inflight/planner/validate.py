@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,7 @@ class Comparison:
     measured: dict[str, Any]
     predicted: dict[str, Any]
     step_error: FitError  # the cost model scored on the real run's own steps
+    real_records: list[StepRecord] = field(default_factory=list)
 
     def error(self, key: str) -> float:
         measured = self.measured[key]
@@ -129,7 +130,7 @@ def compare(label: str, engine: Any, workload: Workload, cost: CostModel) -> Com
     step_error = score(
         cost, features_from_trace(real.records), [r.duration_s for r in real.records]
     )
-    return Comparison(label, real.summary(), sim.serve_summary(), step_error)
+    return Comparison(label, real.summary(), sim.serve_summary(), step_error, real.records)
 
 
 def format_comparison(c: Comparison) -> str:
@@ -161,8 +162,10 @@ def validate(
     model: str | None,
     options: dict[str, Any],
     threads: int | None = None,
+    on_result: Callable[[list[Comparison]], None] | None = None,
 ) -> list[Comparison]:
-    """Load the model once, then compare real and simulated runs at each rate."""
+    """Load the model once, then compare real and simulated runs at each rate;
+    ``on_result`` sees the comparisons so far after each (so a cut-short run keeps them)."""
     from inflight import LLM
     from inflight.bench.engine_run import set_threads
     from inflight.bench.workloads import fit_to_vocab
@@ -182,6 +185,8 @@ def validate(
         label = f"{workload.name}" + (f" at {rate:g} req/s" if rate is not None else "")
         comparisons.append(compare(label, engine, workload, cost))
         print(format_comparison(comparisons[-1]), flush=True)
+        if on_result is not None:
+            on_result(comparisons)
     return comparisons
 
 

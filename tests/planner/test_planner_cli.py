@@ -128,3 +128,4 @@ def test_validate_replays_really_and_in_simulation(tiny_llama_dir: Path, tmp_pat
     )
     assert {"median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "p99_e2el_ms"} <= set(run["errors"])
     assert run["step_error"]["num_steps"] == measured["num_steps"] > 0
+    assert len((tmp_path / "trace_real_1.jsonl").read_text().splitlines()) == measured["num_steps"]
