@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES = [
     "inflight.entrypoints.serve_cli",  # inflight serve
     "inflight.bench.cli",  # inflight bench {throughput,serve}
     "inflight.bench.plot_cli",  # inflight plot
+    "inflight.planner.cli",  # inflight calibrate, inflight simulate
 ]
 
 

@@ -1,0 +1,125 @@
+"""The step cost model: features derived from a trace, and a fit that recovers known costs.
+
+The synthetic trace is a simulated run whose step durations come from a known cost model
+(computed from the scheduler's exact positions); the fit reads only the trace file, so it
+must rebuild every position from the trace's history, preemptions and prefix hits
+included, to recover the coefficients.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from inflight.bench.workloads import Workload, WorkloadRequest
+from inflight.engine.step_trace import StepTrace
+from inflight.planner.cost_model import (
+    BUILTIN,
+    CostModel,
+    EntryShape,
+    StepFeatures,
+    features_from_trace,
+    fit_trace,
+    load_cost_model,
+)
+from inflight.planner.simulator import simulate
+
+KNOWN = CostModel(
+    intercept_s=0.012,
+    per_prefill_token_s=3e-4,
+    per_prefill_chunk_s=2e-3,
+    per_decode_seq_s=8e-4,
+    per_decode_kv_token_s=4e-7,
+    per_prefill_kv_pair_s=6e-9,
+)
+
+
+def _workload(n: int = 60, seed: int = 1) -> Workload:
+    """Varied prompts (some sharing a 64-token prefix) and outputs, arrivals spread out."""
+    rng = random.Random(seed)
+    common = [rng.randrange(1000, 40000) for _ in range(64)]
+    requests, t = [], 0.0
+    for i in range(n):
+        own = [rng.randrange(1000, 40000) for _ in range(rng.randint(8, 700))]
+        requests.append(WorkloadRequest(i, (common if i % 3 == 0 else []) + own,
+                                        rng.randint(2, 200), round(t, 3)))
+        t += rng.expovariate(4.0)
+    return Workload("fit", requests)
+
+
+def _simulated_trace(tmp_path, **options):
+    result = simulate(_workload(), KNOWN, max_num_seqs=16, max_num_batched_tokens=256,
+                      num_kv_blocks=120, **options)
+    path = tmp_path / "trace.jsonl"
+    StepTrace(enabled=True, records=result.records).write_jsonl(path)
+    return result, StepTrace.read_jsonl(path)
+
+
+def test_features_of_a_step() -> None:
+    shapes = [EntryShape(4, 10, True), EntryShape(1, 50, False), EntryShape(1, 7, False)]
+    f = StepFeatures.of(shapes)
+    # a 4-token chunk at 10 attends 11+12+13+14 keys; decodes at 50 and 7 read 51 and 8
+    assert f == StepFeatures(prefill_tokens=4, prefill_chunks=1, decode_seqs=2,
+                             decode_kv_tokens=59, prefill_kv_pairs=50)
+
+
+def test_trace_positions_are_rebuilt_from_its_history(tmp_path) -> None:
+    result, records = _simulated_trace(tmp_path)
+    assert result.num_preemptions > 0  # the history includes recomputation
+    assert any(e.num_cached_tokens for r in records for e in r.entries)
+    derived = features_from_trace(records)
+    durations = [r.duration_s for r in records]
+    assert [KNOWN.step_time(f) for f in derived] == pytest.approx(durations, rel=1e-9)
+
+
+def test_fit_recovers_known_coefficients(tmp_path) -> None:
+    _, records = _simulated_trace(tmp_path)
+    exact = fit_trace(records, source="synthetic")
+    assert exact.coefficients == pytest.approx(KNOWN.coefficients, rel=1e-6, abs=1e-12)
+    assert exact.held_out is not None and exact.held_out.mean_abs_pct_error < 1e-6
+
+    # 3% multiplicative noise: still close, and the held-out error says how close
+    rng = np.random.default_rng(0)
+    noisy = [replace(r, duration_s=r.duration_s * (1 + 0.03 * rng.standard_normal()))
+             for r in records]
+    fitted = fit_trace(noisy, source="synthetic, noisy")
+    assert fitted.per_prefill_token_s == pytest.approx(KNOWN.per_prefill_token_s, rel=0.1)
+    assert fitted.per_decode_seq_s == pytest.approx(KNOWN.per_decode_seq_s, rel=0.1)
+    assert fitted.intercept_s == pytest.approx(KNOWN.intercept_s, rel=0.1)
+    assert fitted.held_out is not None
+    assert 0.01 < fitted.held_out.mean_abs_pct_error < 0.05
+    assert fitted.held_out.num_steps == len(records) // 5
+
+
+def test_fit_never_returns_negative_costs(tmp_path) -> None:
+    _, records = _simulated_trace(tmp_path)
+    # durations that fall with prefill tokens would need a negative coefficient
+    skewed = [replace(r, duration_s=max(1e-4, 0.05 - 1e-5 * r.num_batched_tokens))
+              for r in records]
+    fitted = fit_trace(skewed, source="skewed")
+    assert all(c >= 0 for c in fitted.coefficients)
+
+
+def test_saved_fit_round_trips_and_is_the_default(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert load_cost_model(None) is BUILTIN  # nothing calibrated on this "machine" yet
+    _, records = _simulated_trace(tmp_path)
+    fitted = fit_trace(records, source="synthetic", kv_bytes_per_token=512, max_model_len=512)
+    fitted.save(tmp_path / "cache" / "inflight" / "calibration.json")
+    loaded = load_cost_model(None)
+    assert loaded == fitted and loaded.kv_bytes_per_token == 512
+
+
+def test_default_kv_cache_is_sized_like_the_engines() -> None:
+    from inflight.planner.simulator import make_sim_config
+
+    # SmolLM2-135M in bfloat16: 2 x 30 layers x 3 KV heads x 64 dims x 2 bytes per token;
+    # the default 2 GiB budget affords 2**31 // (23040 * 16) = 5825 blocks of 16 tokens,
+    # fewer than 64 full-length (8192-token) requests could use.
+    config = make_sim_config(BUILTIN)
+    assert config.num_kv_blocks == (2 << 30) // (23040 * 16) == 5825
+    small = make_sim_config(BUILTIN, max_num_seqs=2, max_model_len=1024)
+    assert small.num_kv_blocks == 2 * 1024 // 16 + 1
