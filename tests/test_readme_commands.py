@@ -25,6 +25,7 @@ import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,7 +118,9 @@ def run_inflight(command: Command, args: list[str], ws: Workspace, cwd: Path) ->
         if name == "serve":
             continue  # a server: tests/server starts and checks it
         if name == "generate":
-            assert main([*args, "--model", ws.tiny_model, "--max-tokens", "8"]) == 0, command
+            # A trace is read by `calibrate --from-trace` later, which needs >= 10 steps.
+            max_tokens = "16" if parsed.trace else "8"
+            assert main([*args, "--model", ws.tiny_model, "--max-tokens", max_tokens]) == 0
             if parsed.trace:
                 ws.created.add(ws.path(parsed.trace, cwd))
                 assert ws.path(parsed.trace, cwd).is_file()
@@ -138,8 +141,29 @@ def run_inflight(command: Command, args: list[str], ws: Workspace, cwd: Path) ->
             assert main(args) == 0, command
             out_dir = ws.path(parsed.out_dir, cwd)
             assert all((out_dir / n).is_file() for n in ("timeline.png", "latency.png"))
+        elif name == "calibrate":
+            run_calibrate(command, args, parsed, ws, cwd)
+        elif name == "simulate":
+            if parsed.validate:
+                continue  # replays the workload on the real model for minutes: parsed only
+            assert main([*args, "--no-plots", "--output-dir", str(ws.tmp / "simulate")]) == 0
         else:
             pytest.fail(f"no check for {command}")
+
+
+def run_calibrate(
+    command: Command, args: list[str], parsed: Any, ws: Workspace, cwd: Path
+) -> None:
+    """From a trace as written (the trace must come from an earlier command); a sweep on
+    the tiny model with a handful of steps."""
+    output = ["--output", str(ws.tmp / "calibration.json")]
+    if parsed.from_trace:
+        ws.require(ws.path(parsed.from_trace, cwd), command)
+        assert main([*args, *output]) == 0, command
+        return
+    small = ["--model", ws.tiny_model, "--dtype", "float32", "--batch-sizes", "1,2",
+             "--context-lens", "8,16", "--prefill-lens", "16", "--decode-steps", "3"]
+    assert main([*args, *small, *output]) == 0, command
 
 
 def run_bench_throughput(
