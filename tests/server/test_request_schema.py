@@ -99,7 +99,11 @@ IMPLEMENTED_SHARED: dict[str, dict[str, Any]] = {
     "return_token_offsets": {"return_token_offsets": True},
     "return_mm_kwargs": {"return_mm_kwargs": False},
     "cache_salt": {"cache_salt": "salt"},
+    "response_format": {"response_format": {"type": "text"}},
 }
+# Constraints need a tokenizer llguidance can read, which the tiny model's word-level one is
+# not: they are tried on the default model (tests/server/test_structured_server.py).
+DEFAULT_MODEL_ONLY = {"structured_outputs"}
 IMPLEMENTED_COMPLETION = IMPLEMENTED_SHARED | {
     "prompt": {"prompt": [3, 4]},
     "echo": {"echo": True},
@@ -139,7 +143,6 @@ REFUSED_SHARED: dict[str, tuple[Any, Any]] = {
     "presence_penalty": (0.5, 0),
     "frequency_penalty": (0.5, 0.0),
     "logit_bias": ({"5": 1.0}, None),
-    "response_format": ({"type": "json_object"}, {"type": "text"}),
     "repetition_penalty": (1.2, 1.0),
     "spaces_between_special_tokens": (False, True),
     "use_beam_search": (True, False),
@@ -149,7 +152,6 @@ REFUSED_SHARED: dict[str, tuple[Any, Any]] = {
     "bad_words": (["w3"], []),
     "prompt_logprobs": (1, None),
     "logprob_token_ids": ([3], None),
-    "structured_outputs": ({"regex": "w[0-9]"}, None),
     "return_tokens_as_token_ids": (True, False),
     "routed_experts_prompt_start": (1, 0),
     "kv_transfer_params": ({"do_remote_decode": True}, None),
@@ -216,7 +218,8 @@ def test_every_schema_field_has_a_treatment(
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 def test_examples_cover_the_table(endpoint: str) -> None:
     _, _, table, implemented, refused = ENDPOINTS[endpoint]
-    assert set(implemented) == {n for n, t in table.items() if isinstance(t, Implemented)}
+    tried = set(implemented) | DEFAULT_MODEL_ONLY
+    assert tried == {n for n, t in table.items() if isinstance(t, Implemented)}
     assert set(refused) == {n for n, t in table.items() if isinstance(t, Refused)}
 
 

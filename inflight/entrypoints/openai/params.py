@@ -20,7 +20,7 @@ from inflight.entrypoints.openai.request_fields import (
     log_unknown_fields,
     refuse_unsupported,
 )
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import SamplingParams, StructuredOutputsParams
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
@@ -105,10 +105,16 @@ def check_length(
     )
 
 
-def sampling_params(request: GenerationRequest, max_tokens: int | None) -> SamplingParams:
+def sampling_params(
+    request: GenerationRequest,
+    max_tokens: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     """OpenAI defaults where the request is silent; engine errors become 400s.
 
     Only implemented fields reach the engine: refused ones were checked neutral before.
+    ``structured_outputs`` is the request's constraint (``structured.py``, or a tool
+    call's grammar), already validated.
     """
     try:
         return SamplingParams(
@@ -124,6 +130,7 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None) -> Sampl
             ignore_eos=request.ignore_eos,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
     except ValueError as error:
         raise from_engine_error(error) from error

@@ -55,10 +55,6 @@ _NO_REASONING = "this model has no reasoning mode"
 _NO_DISAGG = "this server has no disaggregated prefill/encoder"
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
-
-
 def _text_modalities(value: Any) -> bool:
     return value is None or value == ["text"]
 
@@ -78,7 +74,9 @@ _SHARED: dict[str, Treatment] = {
     "frequency_penalty": Refused(f"penalties are {_LATER}", equals(0)),
     "logit_bias": Refused(f"logit_bias is {_LATER}"),
     "user": Implemented("accepted: an end-user id for abuse monitoring, no effect on output"),
-    "response_format": Refused(f"structured output is {_LATER}", _text_format),
+    "response_format": Implemented(
+        "text, json_object or json_schema: the output is constrained by a grammar (llguidance)"
+    ),
     # vLLM's sampling extras
     "top_k": Implemented("top-k sampling (0 or -1: off)"),
     "min_p": Implemented("min-p sampling"),
@@ -98,7 +96,9 @@ _SHARED: dict[str, Treatment] = {
     "bad_words": Refused(f"bad_words is {_LATER}"),
     "prompt_logprobs": Refused(f"prompt_logprobs is {_LATER}"),
     "logprob_token_ids": Refused(f"logprobs are {_LATER}"),
-    "structured_outputs": Refused(f"structured output is {_LATER}"),
+    "structured_outputs": Implemented(
+        "vLLM's json, regex, choice, grammar (Lark or GBNF), json_object constraints"
+    ),
     "priority": Implemented("scheduling priority (lower first) with --scheduling-policy priority"),
     "request_id": Implemented("the response's id (cmpl-/chatcmpl- + request_id)"),
     "session_id": Implemented("accepted: a routing hint for multi-server setups, no effect here"),
@@ -109,7 +109,9 @@ _SHARED: dict[str, Treatment] = {
         "accepted: vLLM reads it on its render endpoints only, as here"
     ),
     "return_mm_kwargs": Implemented("accepted: vLLM reads it on its render endpoints only"),
-    "cache_salt": Implemented("mixed into the prefix-cache hash: only requests with the same salt share cached blocks"),
+    "cache_salt": Implemented(
+        "mixed into the prefix-cache hash: only requests with the same salt share cached blocks"
+    ),
     "kv_transfer_params": Refused(_NO_DISAGG),
     "ec_transfer_params": Refused(_NO_DISAGG),
     "vllm_xargs": Refused("this server has no custom extensions to read it"),

@@ -50,6 +50,7 @@ from inflight.entrypoints.openai.serving import (
     sse,
     until_disconnect,
 )
+from inflight.entrypoints.openai.structured import structured_outputs_of
 
 
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
@@ -77,7 +78,8 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     )
     check_length(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_param)
-    params = sampling_params(request, max_tokens)
+    constraint = structured_outputs_of(request.response_format, request.structured_outputs)
+    params = sampling_params(request, max_tokens, constraint)
     request_id = f"chatcmpl-{request.request_id}"
     (stream,) = await add_requests(
         state.engine,
