@@ -115,6 +115,12 @@ IMPLEMENTED_CHAT = IMPLEMENTED_SHARED | {
     },
     "max_completion_tokens": {"max_completion_tokens": 3},
     "parallel_tool_calls": {"parallel_tool_calls": False},
+    "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    # required and named choices need a grammar: tried on the default model.
+    "tool_choice": {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "none",
+    },
     "include_reasoning": {"include_reasoning": False},
     "metadata": {"metadata": {"k": "v"}},
     "store": {"store": True},
@@ -170,8 +176,6 @@ REFUSED_COMPLETION = REFUSED_SHARED | {
 REFUSED_CHAT = REFUSED_SHARED | {
     "logprobs": (True, False),
     "top_logprobs": (2, 0),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], None),
-    "tool_choice": ("required", "none"),
     "functions": ([{"name": "f"}], None),
     "function_call": ({"name": "f"}, "none"),
     "reasoning_effort": ("low", None),

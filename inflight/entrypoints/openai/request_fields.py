@@ -135,9 +135,13 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
     "max_completion_tokens": Implemented("the most tokens to generate (wins over max_tokens)"),
     "logprobs": Refused(f"logprobs are {_LATER}"),
     "top_logprobs": Refused(f"logprobs are {_LATER}"),
-    "tools": Refused(f"tool calling is {_LATER}"),
-    "tool_choice": Refused(f"tool calling is {_LATER}", equals("none", "auto")),
-    "parallel_tool_calls": Implemented("accepted: only meaningful with tools"),
+    "tools": Implemented(
+        "function tools, rendered by the chat template (or the default Hermes tool prompt)"
+    ),
+    "tool_choice": Implemented(
+        "none, auto (Hermes <tool_call> parsing), required or a named function (grammar)"
+    ),
+    "parallel_tool_calls": Implemented("false keeps only the first of an auto answer's calls"),
     "functions": Refused(f"tool calling is {_LATER}"),
     "function_call": Refused(f"tool calling is {_LATER}", equals("none", "auto")),
     "reasoning_effort": Refused(_NO_REASONING),

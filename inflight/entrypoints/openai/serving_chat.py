@@ -9,8 +9,8 @@ so greedy answers match the offline API's. As in vLLM, the answer's role is
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request, Response
@@ -51,6 +51,17 @@ from inflight.entrypoints.openai.serving import (
     until_disconnect,
 )
 from inflight.entrypoints.openai.structured import structured_outputs_of
+from inflight.entrypoints.openai.tool_calls import (
+    FunctionTool,
+    ToolCallStreamer,
+    ToolChoice,
+    parse_answer,
+    parse_tool_choice,
+    parse_tools,
+    render_tool_messages,
+    template_knows_tools,
+    tool_constraint,
+)
 
 
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
@@ -58,6 +69,17 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     request = await parse_body(raw, ChatCompletionRequest)
     model = state.resolve_model(request.model)
     check_supported(request)
+    tools = parse_tools(request.tools)
+    tool_choice = parse_tool_choice(request.tool_choice, tools)
+    constraint = structured_outputs_of(request.response_format, request.structured_outputs)
+    if tool_choice.constrained:
+        if constraint is not None:
+            raise bad_request(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format or structured_outputs.",
+                "tool_choice",
+            )
+        constraint = tool_constraint(tools, tool_choice)
     rendered = render_messages(
         state,
         request.messages,
@@ -69,6 +91,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
             chat_template_kwargs=request.chat_template_kwargs,
             documents=request.documents,
         ),
+        tools,
     )
     max_model_len = state.engine.max_model_len
     token_ids = truncate_prompt(rendered.prompt_token_ids, request, max_model_len)
@@ -78,7 +101,6 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     )
     check_length(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_param)
-    constraint = structured_outputs_of(request.response_format, request.structured_outputs)
     params = sampling_params(request, max_tokens, constraint)
     request_id = f"chatcmpl-{request.request_id}"
     (stream,) = await add_requests(
@@ -90,7 +112,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         arrival_time,
         request.cache_salt,
     )
-    reply = _reply(request, request_id, model, rendered, token_ids)
+    reply = _reply(request, request_id, model, rendered, token_ids, tools, tool_choice)
     if request.stream:
         events = _stream(reply, stream, request.include_usage, request.continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -98,13 +120,25 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
 
 
 def render_messages(
-    state: ServerState, messages: list[ChatMessage], options: ChatOptions
+    state: ServerState,
+    messages: list[ChatMessage],
+    options: ChatOptions,
+    tools: Sequence[FunctionTool] = (),
 ) -> RenderedChat:
-    """The request's messages through the chat renderer; its refusals are 400s."""
+    """The request's messages through the chat renderer; its refusals are 400s.
+
+    Tools go to a template that knows them, else into the messages (``tool_calls.py``).
+    """
     if options.chat_template is None and state.config.chat_template is not None:
         options = _with_template(options, state.config.chat_template)
+    template = options.chat_template or getattr(state.engine.tokenizer, "chat_template", None)
+    dicts = [m.as_dict() for m in messages]
+    if template_knows_tools(template):
+        options = replace(options, tools=[t.as_openai() for t in tools] or None)
+    else:
+        dicts = render_tool_messages(dicts, tools)
     try:
-        return render_chat(state.engine.tokenizer, [m.as_dict() for m in messages], options)
+        return render_chat(state.engine.tokenizer, dicts, options)
     except ValueError as error:
         raise bad_request(str(error), "messages") from error
 
@@ -141,6 +175,12 @@ class _Reply:
     prompt_text: str | None  # when return_prompt_text is set
     return_token_ids: bool
     num_prompt_tokens: int
+    tools: Sequence[FunctionTool] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+
+    def streamer(self) -> ToolCallStreamer:
+        return ToolCallStreamer(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 def _reply(
@@ -149,6 +189,8 @@ def _reply(
     model: str,
     rendered: RenderedChat,
     token_ids: list[int],
+    tools: Sequence[FunctionTool],
+    tool_choice: ToolChoice,
 ) -> _Reply:
     last = rendered.conversation[-1]
     role = "assistant" if request.add_generation_prompt else str(last["role"])
@@ -162,6 +204,9 @@ def _reply(
         prompt_text=rendered.prompt if request.return_prompt_text else None,
         return_token_ids=bool(request.return_token_ids),
         num_prompt_tokens=len(token_ids),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
     )
 
 
@@ -170,10 +215,18 @@ async def _complete(reply: _Reply, stream: RequestStream) -> Response:
         text, token_ids, last = await collect(stream)
     except EngineDeadError as error:
         raise engine_failure(error) from error
+    answer = parse_answer(text, reply.tools, reply.tool_choice, reply.parallel_tool_calls)
+    content = answer.content
+    if reply.echo:
+        content = reply.echo + (content or "")
     choice = ChatChoice(
         index=0,
-        message=ChatResponseMessage(role=reply.role, content=reply.echo + text),
-        finish_reason=last.finish_reason,
+        message=ChatResponseMessage(
+            role=reply.role,
+            content=content,
+            tool_calls=[call.as_openai() for call in answer.calls],
+        ),
+        finish_reason=_finish_reason(last.finish_reason, bool(answer.calls)),
         stop_reason=last.stop_reason,
         token_ids=token_ids if reply.return_token_ids else None,
     )
@@ -189,6 +242,18 @@ async def _complete(reply: _Reply, stream: RequestStream) -> Response:
             prompt_text=reply.prompt_text,
         )
     )
+
+
+def _chunk_choice(content: str, calls: list[dict[str, Any]]) -> ChatChunkChoice:
+    return ChatChunkChoice(
+        index=0,
+        delta=ChatDelta(content=content if content or not calls else None, tool_calls=calls),
+    )
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when an answer that ended normally holds tool calls."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 async def _stream(
@@ -217,17 +282,32 @@ async def _stream(
         )
         if reply.echo:
             yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=reply.echo))])
+        tool_stream = reply.streamer()
         async for delta in stream:
             usage = UsageInfo.of(
                 delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
             )
+            content, calls = tool_stream.feed(delta.text)
+            if delta.finished:
+                rest, more = tool_stream.finish()
+                if rest or more:  # the held-back text or calls, before the finish
+                    if content or calls:
+                        yield chunk([_chunk_choice(content, calls)])
+                    content, calls = rest, more
+            finished = delta.finished
             yield chunk(
                 [
                     ChatChunkChoice(
                         index=0,
-                        delta=ChatDelta(content=delta.text),
-                        finish_reason=delta.finish_reason if delta.finished else None,
-                        stop_reason=delta.stop_reason if delta.finished else None,
+                        delta=ChatDelta(
+                            content=content if content or not calls else None, tool_calls=calls
+                        ),
+                        finish_reason=(
+                            _finish_reason(delta.finish_reason, tool_stream.has_calls)
+                            if finished
+                            else None
+                        ),
+                        stop_reason=delta.stop_reason if finished else None,
                         token_ids=list(delta.token_ids) if reply.return_token_ids else None,
                     )
                 ]
