@@ -230,3 +230,20 @@ def test_bad_tools_are_400s_and_the_server_keeps_serving(
     assert response.json()["error"]["param"] == param, response.text
     ok = httpx.post(url, json=body, headers=AUTH, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_template_with_a_tool_format_renders_the_tools(tiny_server: ServerProcess) -> None:
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "w3"}],
+        "max_tokens": 2,
+        "tools": TOOLS,
+        "chat_template": template,
+        "return_prompt_text": True,
+    }
+    url = f"{tiny_server.url}/v1/chat/completions"
+    response = httpx.post(url, json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    # The template's own rendering, not the default Hermes prompt.
+    assert response.json()["prompt_text"] == "[get_weather][get_time]w3"
