@@ -64,6 +64,7 @@ class ChatOptions:
     add_special_tokens: bool = False
     chat_template_kwargs: Mapping[str, Any] | None = None
     documents: Sequence[Mapping[str, Any]] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None  # for templates with a tool format
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -104,6 +105,7 @@ def render_chat(
             conversation,
             chat_template=options.chat_template,
             documents=list(options.documents) if options.documents is not None else None,
+            tools=list(options.tools) if options.tools else None,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             tokenize=False,

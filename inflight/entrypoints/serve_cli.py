@@ -45,6 +45,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a Jinja chat template, or a file holding one, overriding the tokenizer's",
     )
     group.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes"],
+        help="how answers to tool_choice 'auto' are parsed: hermes reads "
+        "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks",
+    )
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or [default_served_model_name(args.model)]),
         api_key=args.api_key or os.environ.get("INFLIGHT_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
     )
     engine = AsyncLLMEngine.from_options(args.model, **engine_options(args))
     return run_server(

@@ -20,7 +20,7 @@ from inflight.entrypoints.openai.request_fields import (
     log_unknown_fields,
     refuse_unsupported,
 )
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import SamplingParams, StructuredOutputsParams
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
@@ -105,13 +105,19 @@ def check_length(
     )
 
 
-def sampling_params(request: GenerationRequest, max_tokens: int | None) -> SamplingParams:
+def sampling_params(
+    request: GenerationRequest,
+    max_tokens: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     """OpenAI defaults where the request is silent; engine errors become 400s.
 
     Only implemented fields reach the engine: refused ones were checked neutral before.
     Logprobs: completions' ``logprobs`` is the engine's; chat's ``top_logprobs`` is, when
     ``logprobs`` is true. Completions with ``echo`` and ``logprobs`` (or ``max_tokens: 0``
     with ``echo``) also ask for the prompt's logprobs, which the echoed tokens report.
+    ``structured_outputs`` is the request's constraint (``structured.py``, or a tool
+    call's grammar), already validated.
     """
     logprobs, logprobs_param = _logprobs_of(request)
     _check_best_of(request)
@@ -148,6 +154,7 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None) -> Sampl
             bad_words=request.bad_words or None,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
         )
     except ValueError as error:
         openai_error = from_engine_error(error)

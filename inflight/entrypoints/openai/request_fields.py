@@ -55,10 +55,6 @@ _NO_REASONING = "this model has no reasoning mode"
 _NO_DISAGG = "this server has no disaggregated prefill/encoder"
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
-
-
 def _text_modalities(value: Any) -> bool:
     return value is None or value == ["text"]
 
@@ -78,7 +74,9 @@ _SHARED: dict[str, Treatment] = {
     "frequency_penalty": Implemented("minus the penalty per time a token was generated"),
     "logit_bias": Implemented("token id (a string) -> bias in [-100, 100] added to its logit"),
     "user": Implemented("accepted: an end-user id for abuse monitoring, no effect on output"),
-    "response_format": Refused(f"structured output is {_LATER}", _text_format),
+    "response_format": Implemented(
+        "text, json_object or json_schema: the output is constrained by a grammar (llguidance)"
+    ),
     # vLLM's sampling extras
     "top_k": Implemented("top-k sampling (0 or -1: off)"),
     "min_p": Implemented("min-p sampling"),
@@ -98,7 +96,9 @@ _SHARED: dict[str, Treatment] = {
     "bad_words": Implemented("words never generated"),
     "prompt_logprobs": Implemented("the prompt tokens' logprobs and top k (not when streaming)"),
     "logprob_token_ids": Refused(f"logprobs are {_LATER}"),
-    "structured_outputs": Refused(f"structured output is {_LATER}"),
+    "structured_outputs": Implemented(
+        "vLLM's json, regex, choice, grammar (Lark or GBNF), json_object constraints"
+    ),
     "priority": Implemented("scheduling priority (lower first) with --scheduling-policy priority"),
     "request_id": Implemented("the response's id (cmpl-/chatcmpl- + request_id)"),
     "session_id": Implemented("accepted: a routing hint for multi-server setups, no effect here"),
@@ -137,9 +137,13 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
     "max_completion_tokens": Implemented("the most tokens to generate (wins over max_tokens)"),
     "logprobs": Implemented("each token's raw logprob (OpenAI's logprobs.content)"),
     "top_logprobs": Implemented("the k most likely tokens at each position, with logprobs"),
-    "tools": Refused(f"tool calling is {_LATER}"),
-    "tool_choice": Refused(f"tool calling is {_LATER}", equals("none", "auto")),
-    "parallel_tool_calls": Implemented("accepted: only meaningful with tools"),
+    "tools": Implemented(
+        "function tools, rendered by the chat template (or the default Hermes tool prompt)"
+    ),
+    "tool_choice": Implemented(
+        "none, auto (Hermes <tool_call> parsing), required or a named function (grammar)"
+    ),
+    "parallel_tool_calls": Implemented("false keeps only the first of an auto answer's calls"),
     "functions": Refused(f"tool calling is {_LATER}"),
     "function_call": Refused(f"tool calling is {_LATER}", equals("none", "auto")),
     "reasoning_effort": Refused(_NO_REASONING),

@@ -46,6 +46,7 @@ class ServerConfig:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     chat_template: str | None = None  # overrides the tokenizer's template when set
+    tool_call_parser: str = "hermes"  # the one parser (tool_calls.TOOL_CALL_PARSERS)
 
 
 @dataclass(frozen=True, slots=True)

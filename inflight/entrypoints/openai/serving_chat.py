@@ -5,14 +5,16 @@ so greedy answers match the offline API's. As in vLLM, the answer's role is
 ``assistant`` when a generation prompt is added, else the final message's role, and
 ``echo`` puts the final message's content before the answer when the roles match.
 ``n`` answers are choices 0..n-1 (streamed chunks interleave by ``index``); ``logprobs``
-with ``top_logprobs`` gives OpenAI's ``logprobs.content`` per choice.
+with ``top_logprobs`` gives OpenAI's ``logprobs.content`` per choice. ``response_format`` /
+``structured_outputs`` constrain the answer with a grammar (``structured.py``); ``tools``
+with ``tool_choice`` are rendered and parsed by ``tool_calls.py``, each choice on its own.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request, Response
@@ -54,6 +56,18 @@ from inflight.entrypoints.openai.serving import (
     sse,
     until_disconnect,
 )
+from inflight.entrypoints.openai.structured import structured_outputs_of
+from inflight.entrypoints.openai.tool_calls import (
+    FunctionTool,
+    ToolCallStreamer,
+    ToolChoice,
+    parse_answer,
+    parse_tool_choice,
+    parse_tools,
+    render_tool_messages,
+    template_knows_tools,
+    tool_constraint,
+)
 from inflight.outputs import SampleLogprobs
 
 
@@ -62,6 +76,17 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     request = await parse_body(raw, ChatCompletionRequest)
     model = state.resolve_model(request.model)
     check_supported(request)
+    tools = parse_tools(request.tools)
+    tool_choice = parse_tool_choice(request.tool_choice, tools)
+    constraint = structured_outputs_of(request.response_format, request.structured_outputs)
+    if tool_choice.constrained:
+        if constraint is not None:
+            raise bad_request(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format or structured_outputs.",
+                "tool_choice",
+            )
+        constraint = tool_constraint(tools, tool_choice)
     rendered = render_messages(
         state,
         request.messages,
@@ -73,6 +98,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
             chat_template_kwargs=request.chat_template_kwargs,
             documents=request.documents,
         ),
+        tools,
     )
     max_model_len = state.engine.max_model_len
     token_ids = truncate_prompt(rendered.prompt_token_ids, request, max_model_len)
@@ -82,7 +108,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     )
     check_length(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_param)
-    params = sampling_params(request, max_tokens)
+    params = sampling_params(request, max_tokens, constraint)
     request_id = f"chatcmpl-{request.request_id}"
     (stream,) = await add_requests(
         state.engine,
@@ -95,7 +121,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         logprobs_param="top_logprobs",
     )
     tokenizer = state.engine.tokenizer
-    reply = _reply(request, request_id, model, rendered, token_ids, params.n)
+    reply = _reply(request, request_id, model, rendered, token_ids, params.n, tools, tool_choice)
     reply.decode = lambda token_id: str(tokenizer.decode([token_id]))
     if request.stream:
         events = _stream(reply, stream, request.include_usage, request.continuous_usage)
@@ -104,13 +130,25 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
 
 
 def render_messages(
-    state: ServerState, messages: list[ChatMessage], options: ChatOptions
+    state: ServerState,
+    messages: list[ChatMessage],
+    options: ChatOptions,
+    tools: Sequence[FunctionTool] = (),
 ) -> RenderedChat:
-    """The request's messages through the chat renderer; its refusals are 400s."""
+    """The request's messages through the chat renderer; its refusals are 400s.
+
+    Tools go to a template that knows them, else into the messages (``tool_calls.py``).
+    """
     if options.chat_template is None and state.config.chat_template is not None:
         options = _with_template(options, state.config.chat_template)
+    template = options.chat_template or getattr(state.engine.tokenizer, "chat_template", None)
+    dicts = [m.as_dict() for m in messages]
+    if template_knows_tools(template):
+        options = replace(options, tools=[t.as_openai() for t in tools] or None)
+    else:
+        dicts = render_tool_messages(dicts, tools)
     try:
-        return render_chat(state.engine.tokenizer, [m.as_dict() for m in messages], options)
+        return render_chat(state.engine.tokenizer, dicts, options)
     except ValueError as error:
         raise bad_request(str(error), "messages") from error
 
@@ -150,6 +188,12 @@ class _Reply:
     n: int = 1
     top_logprobs: int | None = None  # with logprobs: how many alternatives per token
     decode: Callable[[int], str] = str
+    tools: Sequence[FunctionTool] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+
+    def streamer(self) -> ToolCallStreamer:
+        return ToolCallStreamer(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def logprobs(
         self, token_ids: Sequence[int], logprobs: SampleLogprobs | None
@@ -168,6 +212,8 @@ def _reply(
     rendered: RenderedChat,
     token_ids: list[int],
     n: int,
+    tools: Sequence[FunctionTool],
+    tool_choice: ToolChoice,
 ) -> _Reply:
     last = rendered.conversation[-1]
     role = "assistant" if request.add_generation_prompt else str(last["role"])
@@ -183,6 +229,9 @@ def _reply(
         num_prompt_tokens=len(token_ids),
         n=n,
         top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
     )
 
 
@@ -191,17 +240,28 @@ async def _complete(reply: _Reply, stream: RequestStream) -> Response:
         result = await collect(stream, reply.n)
     except EngineDeadError as error:
         raise engine_failure(error) from error
-    choices = [
-        ChatChoice(
-            index=completion.index,
-            message=ChatResponseMessage(role=reply.role, content=reply.echo + completion.text),
-            logprobs=reply.logprobs(completion.token_ids, completion.logprobs),
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            token_ids=completion.token_ids if reply.return_token_ids else None,
+    choices = []
+    for completion in result.completions:
+        answer = parse_answer(
+            completion.text, reply.tools, reply.tool_choice, reply.parallel_tool_calls
         )
-        for completion in result.completions
-    ]
+        content = answer.content
+        if reply.echo:
+            content = reply.echo + (content or "")
+        choices.append(
+            ChatChoice(
+                index=completion.index,
+                message=ChatResponseMessage(
+                    role=reply.role,
+                    content=content,
+                    tool_calls=[call.as_openai() for call in answer.calls],
+                ),
+                logprobs=reply.logprobs(completion.token_ids, completion.logprobs),
+                finish_reason=_finish_reason(completion.finish_reason, bool(answer.calls)),
+                stop_reason=completion.stop_reason,
+                token_ids=completion.token_ids if reply.return_token_ids else None,
+            )
+        )
     return json_response(
         ChatCompletionResponse(
             id=reply.request_id,
@@ -215,6 +275,18 @@ async def _complete(reply: _Reply, stream: RequestStream) -> Response:
             prompt_text=reply.prompt_text,
         )
     )
+
+
+def _chunk_choice(index: int, content: str, calls: list[dict[str, Any]]) -> ChatChunkChoice:
+    return ChatChunkChoice(
+        index=index,
+        delta=ChatDelta(content=content if content or not calls else None, tool_calls=calls),
+    )
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when an answer that ended normally holds tool calls."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 async def _stream(
@@ -249,20 +321,36 @@ async def _stream(
             yield chunk([ChatChunkChoice(index=index, delta=role)], first=index == 0)
             if reply.echo:
                 yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=reply.echo))])
+        streamers = [reply.streamer() for _ in range(reply.n)]
         async for delta in stream:
-            completion_tokens[delta.index] = delta.num_output_tokens
+            index = delta.index
+            completion_tokens[index] = delta.num_output_tokens
             cached_tokens = delta.num_cached_tokens
-            if delta.index in ended and not delta.text and not delta.token_ids:
+            if index in ended and not delta.text and not delta.token_ids:
                 continue  # nothing new for a choice whose end went out already
+            tool_stream = streamers[index]
+            content, calls = tool_stream.feed(delta.text)
             if delta.finish_reason is not None:
-                ended.add(delta.index)
+                ended.add(index)
+                rest, more = tool_stream.finish()
+                if rest or more:  # the held-back text or calls, before the finish
+                    if content or calls:
+                        yield chunk([_chunk_choice(index, content, calls)])
+                    content, calls = rest, more
+            finish_reason = (
+                _finish_reason(delta.finish_reason, tool_stream.has_calls)
+                if delta.finish_reason is not None
+                else None
+            )
             yield chunk(
                 [
                     ChatChunkChoice(
-                        index=delta.index,
-                        delta=ChatDelta(content=delta.text),
+                        index=index,
+                        delta=ChatDelta(
+                            content=content if content or not calls else None, tool_calls=calls
+                        ),
                         logprobs=reply.logprobs(delta.token_ids, delta.logprobs),
-                        finish_reason=delta.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=delta.stop_reason if delta.finish_reason else None,
                         token_ids=list(delta.token_ids) if reply.return_token_ids else None,
                     )

@@ -55,6 +55,7 @@ from inflight.entrypoints.openai.serving import (
     sse,
     until_disconnect,
 )
+from inflight.entrypoints.openai.structured import structured_outputs_of
 from inflight.outputs import PromptLogprobs
 
 Prompt = tuple[str | None, list[int]]
@@ -66,7 +67,8 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
     model = state.resolve_model(request.model)
     check_supported(request)
     prompts = [_checked(state, request, p) for p in _tokenize(state, request)]
-    params = sampling_params(request, request.max_tokens)
+    constraint = structured_outputs_of(request.response_format, request.structured_outputs)
+    params = sampling_params(request, request.max_tokens, constraint)
     request_id = f"cmpl-{request.request_id}"
     streams = await add_requests(
         state.engine,

@@ -1,0 +1,81 @@
+"""Request fields that constrain the output -> the engine's :class:`StructuredOutputsParams`.
+
+- OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type":
+  "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema": {"name",
+  "schema", "strict"}}`` (JSON matching ``schema``; without a schema, any JSON object).
+  ``strict`` is accepted either way: the grammar always enforces the whole schema.
+- vLLM's ``structured_outputs``: ``{"json" | "regex" | "choice" | "grammar" |
+  "json_object": ..., "disable_any_whitespace": bool}``, as ``StructuredOutputsParams``.
+
+At most one of the two may be set. A malformed field, or a schema, regex or grammar that
+cannot compile, is a 400 naming the field the client set (checked here in milliseconds,
+without the tokenizer, so a bad constraint never reaches the engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inflight.entrypoints.openai.errors import OpenAIError, bad_request
+from inflight.sampling_params import StructuredOutputsParams
+
+
+def structured_outputs_of(
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+) -> StructuredOutputsParams | None:
+    """The constraint a request asks for, validated, or None; 400s name the field."""
+    from_format = _from_response_format(response_format)
+    if structured_outputs is None:
+        return from_format
+    if from_format is not None:
+        raise bad_request(
+            "Set either response_format or structured_outputs, not both.", "structured_outputs"
+        )
+    return checked(
+        lambda: StructuredOutputsParams.from_dict(structured_outputs), "structured_outputs"
+    )
+
+
+def checked(build: Any, param: str) -> StructuredOutputsParams:
+    """``build()``'s params once their grammar is known to compile; a 400 naming ``param``."""
+    from inflight.structured_output.grammar import validate_grammar  # imports llguidance
+
+    try:
+        params: StructuredOutputsParams = build()
+        validate_grammar(params)
+    except ValueError as error:  # InvalidRequestError included
+        message = str(error).removeprefix("StructuredOutputsParams: ")
+        raise bad_request(f"Invalid {param}: {message}", param) from error
+    return params
+
+
+def _from_response_format(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise _bad_format("json_schema must be an object with a string 'name'")
+        schema = spec.get("schema")
+        if schema is None:
+            return StructuredOutputsParams(json_object=True)
+        if not isinstance(schema, dict):
+            raise _bad_format("json_schema.schema must be a JSON schema object")
+        return checked(lambda: StructuredOutputsParams(json=schema), "response_format")
+    if kind == "structural_tag":
+        raise OpenAIError(
+            400,
+            "'response_format' of type 'structural_tag' is not supported by this server.",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    raise _bad_format(f"type must be one of 'text', 'json_object', 'json_schema', got {kind!r}")
+
+
+def _bad_format(message: str) -> OpenAIError:
+    return bad_request(f"Invalid response_format: {message}.", "response_format")

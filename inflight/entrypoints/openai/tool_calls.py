@@ -1,0 +1,348 @@
+"""Tool calling on chat completions: ``tools``, ``tool_choice``, and parsing the answer.
+
+- ``tools``: a list of ``{"type": "function", "function": {"name", "description",
+  "parameters"}}``; anything else is a 400 naming ``tools``.
+- ``tool_choice``: ``"none"`` (plain text), ``"auto"`` (the default when tools are given:
+  the answer is parsed for tool calls), ``"required"`` (exactly one call to one of the
+  tools) or ``{"type": "function", "function": {"name": ...}}`` (one call to that tool).
+  ``"required"`` and named choices are enforced by a JSON schema grammar, so the arguments
+  always parse and match the function's ``parameters``: for ``"required"`` the answer is
+  ``{"name": ..., "arguments": {...}}`` (one branch per tool), for a named tool it is the
+  arguments object itself.
+- ``"auto"`` answers are parsed with the Hermes format (``--tool-call-parser hermes``): each
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block is a call, the text
+  before the first block is the content.
+
+Rendering: a chat template that knows tools (it mentions ``tools``) gets them as
+``apply_chat_template(tools=...)``. Others (SmolLM2's) get the documented default: the
+Hermes tool prompt (:func:`default_tool_prompt`) appended to the system message (or in a new
+one), assistant ``tool_calls`` written as ``<tool_call>`` blocks in the content, and
+``role: "tool"`` results wrapped in ``<tool_response>`` tags.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from inflight.entrypoints.openai.errors import bad_request
+from inflight.entrypoints.openai.structured import checked
+from inflight.sampling_params import StructuredOutputsParams
+
+TOOL_CALL_PARSERS = ("hermes",)
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionTool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """``mode`` is none, auto, required or named (then ``name`` is the tool's)."""
+
+    mode: str
+    name: str | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# ---------------------------------------------------------------------- request fields
+
+
+def parse_tools(tools: Sequence[Any] | None) -> list[FunctionTool]:
+    """The request's tools, checked; a 400 naming ``tools`` otherwise."""
+    parsed: list[FunctionTool] = []
+    for index, tool in enumerate(tools or []):
+        where = f"tools[{index}]"
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            raise bad_request(f"{where} must be an object with type 'function'.", "tools")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise bad_request(f"{where}.function must be an object.", "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise bad_request(
+                f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}.",
+                "tools",
+            )
+        parameters = function.get("parameters") or _NO_PARAMETERS
+        if not isinstance(parameters, dict):
+            raise bad_request(f"{where}.function.parameters must be a JSON schema.", "tools")
+        description = function.get("description")
+        parsed.append(
+            FunctionTool(name, description if isinstance(description, str) else None, parameters)
+        )
+    names = [t.name for t in parsed]
+    if len(set(names)) != len(names):
+        raise bad_request("tools must have distinct function names.", "tools")
+    return parsed
+
+
+def parse_tool_choice(value: Any, tools: Sequence[FunctionTool]) -> ToolChoice:
+    """OpenAI's ``tool_choice`` (default: auto with tools, none without); 400s name it."""
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    if value in ("none", "auto", "required"):
+        if value != "none" and not tools:
+            raise bad_request(f"tool_choice {value!r} needs a non-empty 'tools'.", "tool_choice")
+        return ToolChoice(value)
+    if isinstance(value, Mapping) and value.get("type") == "function":
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        known = [t.name for t in tools]
+        if name not in known:
+            raise bad_request(
+                f"tool_choice names the function {name!r}, which is not in tools {known}.",
+                "tool_choice",
+            )
+        return ToolChoice("named", name)
+    raise bad_request(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}.',
+        "tool_choice",
+    )
+
+
+def tool_constraint(tools: Sequence[FunctionTool], choice: ToolChoice) -> StructuredOutputsParams:
+    """The grammar of a required or named choice (see the module docstring)."""
+    if choice.mode == "named":
+        tool = next(t for t in tools if t.name == choice.name)
+        return checked(lambda: StructuredOutputsParams(json=tool.parameters), "tools")
+    branches = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    return checked(lambda: StructuredOutputsParams(json=schema), "tools")
+
+
+# ---------------------------------------------------------------------- rendering
+
+
+def default_tool_prompt(tools: Sequence[FunctionTool]) -> str:
+    """The Hermes tool prompt, for chat templates without a tool format of their own."""
+    signatures = "\n".join(json.dumps(t.as_openai()) for t in tools)
+    return (
+        "You are a function calling AI model. You may call one or more functions to assist "
+        "with the user query. Function signatures are within <tools></tools> XML tags:\n"
+        f"<tools>\n{signatures}\n</tools>\n"
+        "For each function call, return a JSON object with the function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def template_knows_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in str(template)
+
+
+def render_tool_messages(
+    messages: list[dict[str, Any]], tools: Sequence[FunctionTool]
+) -> list[dict[str, Any]]:
+    """The default rendering: tool prompt in the system message, calls and results as text."""
+    rendered = [_as_text(m) for m in messages]
+    if not tools:
+        return rendered
+    prompt = default_tool_prompt(tools)
+    if rendered and rendered[0].get("role") == "system":
+        first = dict(rendered[0])
+        first["content"] = f"{_text(first.get('content'))}\n\n{prompt}".lstrip()
+        return [first, *rendered[1:]]
+    return [{"role": "system", "content": prompt}, *rendered]
+
+
+def _as_text(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if message.get("role") == "assistant" and calls:
+        blocks = [_call_block(call) for call in calls]
+        content = "\n".join(filter(None, [_text(message.get("content")), *blocks]))
+        return {**message, "content": content}
+    if message.get("role") == "tool":
+        return {
+            **message,
+            "content": f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>",
+        }
+    return message
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # text parts, as chat_utils joins them
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return "" if content is None else str(content)
+
+
+def _call_block(call: Any) -> str:
+    function = call.get("function", {}) if isinstance(call, Mapping) else {}
+    arguments = function.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass  # kept as the client sent it
+    body = json.dumps({"name": function.get("name"), "arguments": arguments})
+    return f"{_OPEN}\n{body}\n{_CLOSE}"
+
+
+# ---------------------------------------------------------------------- answers
+
+
+def constrained_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
+    """The call in a required/named answer ([] if it was cut short and does not parse)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if choice.mode == "named":  # the text is the arguments: sent as generated, as streamed
+        assert choice.name is not None
+        return [ToolCall(choice.name, text, new_call_id())]
+    return [ToolCall(value["name"], json.dumps(value["arguments"]), new_call_id())]
+
+
+def parse_hermes(text: str, tools: Sequence[FunctionTool]) -> tuple[str | None, list[ToolCall]]:
+    """``(content, calls)`` of an auto answer; text stays content if no block parses."""
+    start = text.find(_OPEN)
+    if start < 0:
+        return text, []
+    known = {t.name for t in tools}
+    calls: list[ToolCall] = []
+    for block in _BLOCK.findall(text[start:]):
+        try:
+            value = json.loads(block)
+        except ValueError:
+            continue
+        if not isinstance(value, dict) or value.get("name") not in known:
+            continue
+        arguments = value.get("arguments", {})
+        calls.append(ToolCall(value["name"], json.dumps(arguments), new_call_id()))
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def safe_content_end(text: str) -> int:
+    """How much of a streamed auto answer is surely content: up to a (possible) ``<tool_call>``."""
+    start = text.find(_OPEN)
+    if start >= 0:
+        return start
+    for size in range(min(len(_OPEN) - 1, len(text)), 0, -1):
+        if _OPEN.startswith(text[-size:]):
+            return len(text) - size
+    return len(text)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolAnswer:
+    """A chat answer seen through the request's tool choice."""
+
+    content: str | None
+    calls: list[ToolCall]
+
+
+def parse_answer(
+    text: str, tools: Sequence[FunctionTool], choice: ToolChoice, parallel: bool = True
+) -> ToolAnswer:
+    """The whole answer's content and tool calls (no calls: all of it is content)."""
+    if choice.mode == "none":
+        return ToolAnswer(text, [])
+    if choice.constrained:
+        calls = constrained_calls(text, choice)
+        return ToolAnswer(None, calls) if calls else ToolAnswer(text, [])
+    content, calls = parse_hermes(text, tools)
+    return ToolAnswer(content, calls if parallel else calls[:1])
+
+
+class ToolCallStreamer:
+    """Turns a streamed answer's text deltas into OpenAI's content and tool-call deltas.
+
+    * named choice: the answer is the arguments, so they stream as they come (the first
+      delta names the call);
+    * required: the call is sent whole when the answer ends (its name comes first in the
+      text, its arguments after, so nothing could be sent earlier without a JSON parser);
+    * auto: text streams as content up to a (possible) ``<tool_call>``; what follows is
+      parsed when the answer ends.
+    """
+
+    def __init__(
+        self, tools: Sequence[FunctionTool], choice: ToolChoice, parallel: bool = True
+    ) -> None:
+        self.tools, self.choice, self.parallel = tools, choice, parallel
+        self.text = ""
+        self.sent = 0  # characters of text already sent as content (auto)
+        self.named_id = new_call_id() if choice.mode == "named" else None
+        self.has_calls = False
+
+    def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content and tool-call deltas to send for the next piece of text."""
+        self.text += piece
+        if self.choice.mode == "none":
+            return piece, []
+        if self.named_id is not None:
+            if not piece and self.has_calls:
+                return "", []
+            first = not self.has_calls
+            self.has_calls = True
+            function: dict[str, Any] = {"arguments": piece}
+            call: dict[str, Any] = {"index": 0, "function": function}
+            if first:
+                function["name"] = self.choice.name
+                call.update(id=self.named_id, type="function")
+            return "", [call]
+        if self.choice.mode == "required":
+            return "", []
+        end = max(self.sent, safe_content_end(self.text))
+        content, self.sent = self.text[self.sent : end], end
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is left to send once the answer is complete."""
+        if self.choice.mode == "none" or self.named_id is not None:
+            return "", []
+        answer = parse_answer(self.text, self.tools, self.choice, self.parallel)
+        if not answer.calls:
+            rest, self.sent = self.text[self.sent :], len(self.text)
+            return rest, []
+        self.has_calls = True
+        return "", [call.as_openai(index) for index, call in enumerate(answer.calls)]

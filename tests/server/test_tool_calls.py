@@ -1,0 +1,249 @@
+"""Tool calling on chat completions: ``tools`` and ``tool_choice``.
+
+Required and named choices run on the default model (served once for the module; the
+grammar needs a tokenizer llguidance reads): their arguments must validate against the
+tool's parameter schema (``jsonschema``), and streamed tool-call deltas must reassemble to
+the non-streamed call. The Hermes parser, the streamer and the default tool rendering are
+checked on fixed texts; malformed tools and choices are 400s on the shared tiny server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_harness import API_KEY, ServerProcess
+
+from inflight.entrypoints.openai.tool_calls import (
+    ToolCallStreamer,
+    ToolChoice,
+    parse_answer,
+    parse_tools,
+    render_tool_messages,
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 16}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME},
+    },
+]
+PARAMETERS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(start_server: Callable[..., ServerProcess]) -> openai.OpenAI:
+    server = start_server("--max-num-seqs", "4")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _create(client: openai.OpenAI, **fields: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL, tools=TOOLS, max_tokens=60, temperature=0, **fields
+    )
+
+
+def _reassemble(stream: Any) -> tuple[list[dict[str, str]], str | None]:
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += delta.function.name or "" if delta.function else ""
+                call["arguments"] += delta.function.arguments or "" if delta.function else ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"],
+)
+def test_constrained_tool_calls_validate_and_stream_the_same(
+    client: openai.OpenAI, tool_choice: Any
+) -> None:
+    response = _create(client, messages=MESSAGES, tool_choice=tool_choice)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    streamed, finish = _reassemble(
+        _create(client, messages=MESSAGES, tool_choice=tool_choice, stream=True)
+    )
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (call.function.name, call.function.arguments)
+    ]
+    assert streamed[0]["id"].startswith("call_")
+
+
+def test_follow_up_turn_with_the_tool_result(client: openai.OpenAI) -> None:
+    first = _create(client, messages=MESSAGES, tool_choice="required").choices[0].message
+    history = [
+        *MESSAGES,
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "21 degrees, sunny"},
+    ]
+    response = _create(
+        client, messages=history, tool_choice="none", extra_body={"return_prompt_text": True}
+    )
+    answer = response.choices[0]
+    assert answer.finish_reason in ("stop", "length") and answer.message.content
+    assert not answer.message.tool_calls
+    prompt = response.model_extra["prompt_text"]
+    # The call and its result are in the prompt, in the default (Hermes) rendering.
+    assert f'"name": "{first.tool_calls[0].function.name}"' in prompt
+    assert "<tool_response>\n21 degrees, sunny\n</tool_response>" in prompt
+    assert "<tools>" in prompt and '"name": "get_time"' in prompt
+
+
+# ---------------------------------------------------------------- fixed texts
+
+PARSED_TOOLS = parse_tools(TOOLS)
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+def test_hermes_auto_answers() -> None:
+    auto = ToolChoice("auto")
+    answer = parse_answer("Let me check.\n" + CALL_TEXT + "\n" + CALL_TEXT, PARSED_TOOLS, auto)
+    assert answer.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in answer.calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ] * 2
+    assert len(parse_answer(CALL_TEXT * 2, PARSED_TOOLS, auto, parallel=False).calls) == 1
+    # Unknown names and broken JSON stay text.
+    for text in [
+        "Paris is sunny.",
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+        "<tool_call>{oops",
+    ]:
+        assert parse_answer(text, PARSED_TOOLS, auto) == parse_answer(
+            text, PARSED_TOOLS, ToolChoice("none")
+        )
+        assert parse_answer(text, PARSED_TOOLS, auto).content == text
+
+
+def test_streamed_auto_answer_holds_back_the_tool_call() -> None:
+    streamer = ToolCallStreamer(PARSED_TOOLS, ToolChoice("auto"))
+    text = "Sure. " + CALL_TEXT
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    sent = [streamer.feed(p) for p in pieces]
+    content = "".join(c for c, _ in sent)
+    assert content == "Sure. " and all(not calls for _, calls in sent)
+    rest, calls = streamer.finish()
+    assert rest == "" and streamer.has_calls
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ]
+    plain = ToolCallStreamer(PARSED_TOOLS, ToolChoice("auto"))
+    assert "".join(plain.feed(p)[0] for p in ["a <", "b", " c"]) + plain.finish()[0] == "a <b c"
+
+
+def test_default_rendering_of_history() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    system, assistant, tool = render_tool_messages(messages, PARSED_TOOLS)
+    assert system["content"].startswith("Be brief.\n\n") and "<tools>" in system["content"]
+    assert assistant["content"] == (
+        '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
+    )
+    assert tool["content"] == "<tool_response>\n12:00\n</tool_response>"
+
+
+BAD = [
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+    ),
+]
+
+
+@pytest.mark.parametrize(("patch", "param"), BAD)
+def test_bad_tools_are_400s_and_the_server_keeps_serving(
+    tiny_server: ServerProcess, patch: dict[str, Any], param: str
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w3"}], "max_tokens": 2}
+    url = f"{tiny_server.url}/v1/chat/completions"
+    response = httpx.post(url, json=body | patch, headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+    ok = httpx.post(url, json=body, headers=AUTH, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_template_with_a_tool_format_renders_the_tools(tiny_server: ServerProcess) -> None:
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "w3"}],
+        "max_tokens": 2,
+        "tools": TOOLS,
+        "chat_template": template,
+        "return_prompt_text": True,
+    }
+    url = f"{tiny_server.url}/v1/chat/completions"
+    response = httpx.post(url, json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    # The template's own rendering, not the default Hermes prompt.
+    assert response.json()["prompt_text"] == "[get_weather][get_time]w3"
