@@ -11,6 +11,12 @@ off, and prints ms per step for each and the difference: the hit path's cost (ha
 newly full blocks, lookups on admission, reference counts, LRU upkeep).
 
 The numbers are host time on whatever machine runs it; the model is not involved.
+
+``--prefill-counts`` instead counts, for the named prefix-caching workloads in full, the
+prefill tokens the engine computes with caching on and off: which blocks hit depends
+only on the scheduler, the cache geometry and token *equality* (a multi-turn history is
+the previous prompt plus the previous answer, whatever its tokens), so the real core with
+a fake model gives the counts a model run with the same settings gives, in seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from inflight.config import SchedulerConfig
+from inflight.bench import workloads
+from inflight.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
 from inflight.core.interface import ModelRunnerOutput, SchedulerOutput
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.request import Request
@@ -109,6 +116,75 @@ def measure(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillCount:
+    num_prompt_tokens: int
+    num_prefill_tokens_computed: int
+    num_cached_tokens: int
+
+
+def count_prefill(
+    workload: workloads.Workload,
+    enable_prefix_caching: bool,
+    num_blocks: int = 5825,  # the default model's 2 GiB of bf16 KV cache
+    block_size: int = 16,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+) -> PrefillCount:
+    """Run ``workload`` as ``bench throughput`` does (dependent turns added after their
+    predecessor finished) through the real scheduler and a fake model."""
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching))
+    workloads.full_prompt_lens(workload.requests)  # every dependency points back
+    by_id = {r.id: r for r in workload.requests}
+    waiting_on: dict[int, list[workloads.WorkloadRequest]] = {}
+    live: dict[str, Request] = {}
+    prompt_tokens = computed = cached = 0
+
+    def add(item: workloads.WorkloadRequest, prompt: list[int]) -> None:
+        nonlocal prompt_tokens
+        params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True)
+        request = Request(str(item.id), prompt, params)
+        live[request.request_id] = request
+        prompt_tokens += len(prompt)
+        scheduler.add_request(request)
+
+    for item in workload.requests:
+        if item.after is None:
+            add(item, list(item.prompt_token_ids))
+        else:
+            waiting_on.setdefault(item.after, []).append(item)
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        computed += sum(s.num_tokens for s in output.scheduled if s.is_prefill)
+        cached += sum(s.num_cached_tokens for s in output.scheduled)
+        for update in scheduler.update_from_output(output, fake_runner(output)):
+            if not update.finished:
+                continue
+            done = live.pop(update.request_id)
+            for turn in waiting_on.pop(int(update.request_id), []):
+                history = workloads.full_prompt(
+                    by_id[turn.id], done.prompt_token_ids, done.output_token_ids
+                )
+                add(turn, history)
+    return PrefillCount(prompt_tokens, computed, cached)
+
+
+def print_prefill_counts() -> None:
+    for name in ("shared-prefix", "multi-turn"):
+        workload = workloads.named(name)
+        on, off = count_prefill(workload, True), count_prefill(workload, False)
+        print(
+            f"{name} ({len(workload.requests)} requests, {on.num_prompt_tokens} prompt tokens): "
+            f"{on.num_prefill_tokens_computed} prefill tokens computed with caching, "
+            f"{off.num_prefill_tokens_computed} without "
+            f"({off.num_prefill_tokens_computed / on.num_prefill_tokens_computed:.2f}x less), "
+            f"{on.num_cached_tokens / on.num_prompt_tokens:.1%} of prompt tokens cached"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m inflight.bench.scheduler_cost",
@@ -118,7 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=1024)
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs per setting")
+    parser.add_argument(
+        "--prefill-counts",
+        action="store_true",
+        help="instead: prefill tokens computed on the full shared-prefix and multi-turn "
+        "workloads, caching on vs off (engine defaults, the default model's KV cache)",
+    )
     args = parser.parse_args(argv)
+    if args.prefill_counts:
+        print_prefill_counts()
+        return 0
     best: dict[bool, CostResult] = {}
     for _ in range(args.repeats):
         for caching in (True, False):

@@ -172,3 +172,22 @@ def test_caching_on_and_off_give_identical_greedy_tokens(
     # Every later prompt holds earlier answers, so equal prompts mean equal histories too.
     assert [o.prompt_token_ids for o in with_cache] == [o.prompt_token_ids for o in without]
     assert [o.outputs[0].token_ids for o in with_cache] == [o.outputs[0].token_ids for o in without]
+
+
+def test_the_fake_model_count_matches_the_model_run(runs: dict[bool, RunResult]) -> None:
+    """scheduler_cost --prefill-counts: the real core with a fake model counts the prefill
+    tokens a model run computes (hits depend on token equality, not on the tokens)."""
+    from inflight.bench.scheduler_cost import count_prefill
+
+    for caching, result in runs.items():
+        options = result.report.options
+        counted = count_prefill(
+            _small_multi_turn(),
+            caching,
+            num_blocks=options["num_kv_blocks"],
+            block_size=options["block_size"],
+            max_num_seqs=options["max_num_seqs"],
+            max_num_batched_tokens=options["max_num_batched_tokens"],
+        )
+        assert counted.num_prefill_tokens_computed == result.report.num_prefill_tokens_computed
+        assert counted.num_cached_tokens == result.report.num_cached_tokens
