@@ -447,11 +447,13 @@ def format_report(summary: dict[str, Any]) -> str:
 
 def _plan(requests: list[BenchRequest], base_url: str, endpoint: str) -> str:
     known = [n for r in requests if (n := r.prompt_len) is not None]
+    turns = sum(r.after is not None for r in requests)
     return (
         f"dry run: would send {len(requests)} requests to {base_url}{endpoint} over "
         f"{max(r.arrival_s for r in requests):.1f} s of arrivals; "
-        f"{sum(known)} prompt tokens (token-id prompts), "
-        f"{sum(r.max_tokens for r in requests)} output tokens"
+        f"{sum(known)} prompt tokens (token-id prompts"
+        + (f"; {turns} later turns counted by their new tokens only" if turns else "")
+        + f"), {sum(r.max_tokens for r in requests)} output tokens"
     )
 
 
