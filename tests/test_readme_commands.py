@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from inflight.bench import throughput
+from inflight.bench.workloads import NAMED_WORKLOADS
 from inflight.entrypoints.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +128,7 @@ def run_inflight(command: Command, args: list[str], ws: Workspace, cwd: Path) ->
         elif name == "bench throughput":
             run_bench_throughput(command, args, parsed, ws, cwd)
         elif name == "bench serve":
-            if parsed.workload and parsed.workload not in ("seed8", "mixed", "online", "single"):
+            if parsed.workload and parsed.workload not in NAMED_WORKLOADS:
                 ws.require(ws.path(parsed.workload, cwd), command)
             assert main([*args, "--dry-run"]) == 0, command
         elif name == "bench workload":

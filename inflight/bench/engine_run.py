@@ -8,6 +8,14 @@ lazily, and first touches of fresh memory cost ~1 s per GB on this project's VMs
 and OpenVINO allocate theirs at start-up too), and the check that every request produced
 exactly its ``max_tokens`` tokens before any number is reported.
 
+:func:`generate_workload` drives ``LLMEngine.add_request``/``step`` itself rather than
+``LLM.generate``: independent requests are all added before the first step (as
+``generate`` does), and a dependent request (a multi-turn chat's next turn) is added only
+once its predecessor has finished, with the predecessor's prompt and generated tokens in
+front of its own (see ``workloads``). Reports count the prefill tokens the engine really
+computed (the step trace's prefill chunks, recomputation after preemption included) next
+to the prompt tokens the prefix cache supplied (``RequestOutput.num_cached_tokens``).
+
 :func:`run_isolated` runs a benchmark function in a fresh spawned Python process, so that
 each run's peak RSS is its own and no run inherits another's heap.
 """
@@ -15,12 +23,13 @@ each run's peak RSS is its own and no run inherits another's heap.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from inflight.bench.report import (
     BenchReport,
@@ -30,8 +39,18 @@ from inflight.bench.report import (
     request_latency,
     slot_steps,
 )
-from inflight.bench.workloads import Workload, fit_to_vocab
+from inflight.bench.workloads import (
+    Workload,
+    WorkloadRequest,
+    fit_to_vocab,
+    full_prompt,
+    full_prompt_lens,
+)
 from inflight.engine.step_trace import StepRecord
+
+if TYPE_CHECKING:
+    from inflight.engine.llm_engine import LLMEngine
+    from inflight.outputs import RequestOutput
 
 WARMUP_PROMPT_LEN = 16
 WARMUP_MAX_TOKENS = 4
@@ -61,6 +80,7 @@ def summarise(
     num_preemptions: int,
     latencies: list[RequestLatency],
     options: dict[str, Any],
+    num_cached_tokens: int = 0,
 ) -> BenchReport:
     """The report fields every engine shares, from a finished run."""
     return BenchReport(
@@ -81,7 +101,14 @@ def summarise(
         tpot=Distribution.of([x.tpot_s for x in latencies if x.tpot_s is not None]),
         options=options,
         requests=latencies,
+        num_cached_tokens=num_cached_tokens,
+        num_prefill_tokens_computed=prefill_tokens_computed(records),
     )
+
+
+def prefill_tokens_computed(records: list[StepRecord]) -> int:
+    """Tokens the model ran in prefill chunks: what the prefix cache saves."""
+    return sum(e.num_tokens for r in records for e in r.entries if e.kind == "prefill")
 
 
 def run_inflight(
@@ -111,18 +138,14 @@ def run_inflight(
         warm = SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)
         llm.generate([{"prompt_token_ids": ids}], warm, use_tqdm=False)
         llm.step_trace.clear()
+        llm.reset_prefix_cache()  # the timed run finds no block of the warm-up's
         engine.populate_kv_cache()
     preemptions_before = engine.scheduler.num_preemptions
 
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
-        for r in workload.requests
-    ]
     engine.timings.reset()
     with _maybe_profile(profile) as profiler:
         started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+        outputs = generate_workload(engine, workload, use_tqdm=use_tqdm)
         wall = time.perf_counter() - started
     profile_table = None
     if profiler is not None:
@@ -140,7 +163,7 @@ def run_inflight(
         latencies.append(
             request_latency(
                 str(request.id),
-                len(request.prompt_token_ids),
+                len(output.prompt_token_ids),
                 produced,
                 m.arrival_time,
                 m.first_token_time,
@@ -162,6 +185,7 @@ def run_inflight(
         latencies,
         {
             "model": engine.model_path,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "device": str(engine.device),
             "max_num_seqs": config.scheduler.max_num_seqs,
@@ -172,8 +196,54 @@ def run_inflight(
             "threads": _torch_threads(),
             "step_time_ms": engine.timings.per_step_ms(),
         },
+        num_cached_tokens=sum(o.num_cached_tokens for o in outputs),
     )
     return RunResult(report, records, folded, profile_table)
+
+
+def generate_workload(
+    engine: LLMEngine, workload: Workload, *, use_tqdm: bool = False
+) -> list[RequestOutput]:
+    """Run every request greedy with EOS ignored; outputs in the workload's order.
+
+    Independent requests are added before the first step; a dependent one right after
+    the step in which its predecessor finished, with :func:`workloads.full_prompt`.
+    """
+    from tqdm.auto import tqdm
+
+    from inflight import SamplingParams
+
+    pending: dict[int, list[WorkloadRequest]] = defaultdict(list)  # by predecessor id
+    running: dict[str, WorkloadRequest] = {}  # by engine request id
+    finished: dict[int, RequestOutput] = {}
+
+    def add(request: WorkloadRequest, prompt: list[int]) -> None:
+        request_id = engine.new_request_id()
+        params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        running[request_id] = request
+
+    for request in workload.requests:
+        if request.after is None:
+            add(request, list(request.prompt_token_ids))
+        else:
+            pending[request.after].append(request)
+    with tqdm(total=len(workload.requests), desc="Processed prompts", disable=not use_tqdm) as bar:
+        while running:
+            for output in engine.step():
+                if not output.finished:
+                    continue
+                done = running.pop(output.request_id)
+                finished[done.id] = output
+                bar.update(1)
+                for turn in pending.pop(done.id, []):
+                    add(
+                        turn,
+                        full_prompt(turn, output.prompt_token_ids, output.outputs[0].token_ids),
+                    )
+    if pending:  # only a malformed workload (a dependency on a missing id) gets here
+        raise ValueError(f"requests wait on ids that never ran: {sorted(pending)}")
+    return [finished[r.id] for r in workload.requests]
 
 
 @contextmanager
@@ -188,10 +258,11 @@ def _maybe_profile(enabled: bool) -> Iterator[Any]:
 
 
 def _check_fits(workload: Workload, max_model_len: int) -> None:
+    prompt_lens = full_prompt_lens(workload.requests)
     for r in workload.requests:
-        if len(r.prompt_token_ids) + r.max_tokens > max_model_len:
+        if prompt_lens[r.id] + r.max_tokens > max_model_len:
             raise ValueError(
-                f"request {r.id} needs {len(r.prompt_token_ids)} + {r.max_tokens} tokens, more "
+                f"request {r.id} needs {prompt_lens[r.id]} + {r.max_tokens} tokens, more "
                 f"than the model's max_model_len={max_model_len}"
             )
 

@@ -153,6 +153,15 @@ class BenchReport:
     options: dict = field(default_factory=dict)
     requests: list[RequestLatency] = field(default_factory=list)
     trace_path: str | None = None
+    # Prompt tokens whose KV came from the prefix cache, and the tokens the model ran in
+    # prefill chunks (prompt - cached, plus any recomputation after preemption).
+    num_cached_tokens: int = 0
+    num_prefill_tokens_computed: int = 0
+
+    @property
+    def cached_share(self) -> float:
+        """The share of prompt tokens the prefix cache supplied."""
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     @property
     def requests_per_s(self) -> float:
@@ -179,6 +188,7 @@ class BenchReport:
             requests_per_s=self.requests_per_s,
             output_tokens_per_s=self.output_tokens_per_s,
             total_tokens_per_s=self.total_tokens_per_s,
+            cached_share=self.cached_share,
         )
         return row
 
@@ -198,6 +208,8 @@ _ROWS: list[tuple[str, str]] = [
     ("requests/s", "{r.requests_per_s:.3f}"),
     ("output tokens/s", "{r.output_tokens_per_s:.1f}"),
     ("total tokens/s", "{r.total_tokens_per_s:.1f}"),
+    ("prefill tokens computed", "{r.num_prefill_tokens_computed}"),
+    ("prompt tokens cached", "{r.num_cached_tokens} ({r.cached_share:.1%})"),
     ("steps", "{r.num_steps}"),
     ("preemptions", "{r.num_preemptions}"),
     ("mean batch size", "{r.slots.mean_batch_size:.2f}"),

@@ -9,9 +9,15 @@ first (TPOT) and the end-to-end latency; it reports throughput and mean / median
 P99 of each, and writes them as JSON.
 
 Workloads: the named ones of ``bench throughput`` (``seed8``, ``mixed``, ``online`` with
-its ``--rate``, ``single``), generated in-process, or a JSONL file of
-``{"id", "prompt_token_ids" | "prompt", "max_tokens", "arrival_s"}`` lines (what
-``inflight bench workload`` and ``make_workload.py`` write); run greedy with EOS ignored.
+its ``--rate``, ``single``, ``shared-prefix``, ``multi-turn``), generated in-process, or a
+JSONL file of ``{"id", "prompt_token_ids" | "prompt", "max_tokens", "arrival_s"}`` lines
+(what ``inflight bench workload`` and ``make_workload.py`` write); run greedy with EOS
+ignored. A request with ``"after": ID`` (a multi-turn chat's next turn) is sent
+``think_s`` seconds after request ID's response has fully arrived, with the prompt ID's
+prompt + ID's generated token ids + its own tokens (see ``inflight.bench.workloads``); the
+generated ids come from vLLM's ``return_token_ids`` field, asked for only then. The
+report adds the prompt tokens the server says it served from its prefix cache (OpenAI's
+``usage.prompt_tokens_details.cached_tokens``) and the prefill tokens left to compute.
 
 The timed run holds the benchmark lock (see ``inflight.bench.lock``). A server that cannot
 be reached, or that refuses the API key, is reported in one line before anything is timed.
@@ -27,7 +33,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,11 @@ class BenchRequest:
     prompt: str | list[int]
     max_tokens: int
     arrival_s: float = 0.0  # offset from the benchmark's start
+    # Multi-turn: this request's id, the id whose answer it continues (prompt then holds
+    # only the new tokens) and the think time after that answer; see the module docstring.
+    id: int | None = None
+    after: int | None = None
+    think_s: float = 0.0
 
     @property
     def prompt_len(self) -> int | None:
@@ -58,6 +69,10 @@ class RequestResult:
     ttft: float = 0.0  # seconds from sending to the first streamed token
     latency: float = 0.0  # seconds from sending to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when reported
+    # The generated ids (only when asked for with return_token_ids) and the prompt sent.
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt: str | list[int] | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -77,7 +92,10 @@ def load_workload(
 
     if spec in workloads.NAMED_WORKLOADS:
         named = workloads.named(spec, rate).head(num_prompts)
-        return [BenchRequest(r.prompt_token_ids, r.max_tokens, r.arrival_s) for r in named.requests]
+        return [
+            BenchRequest(r.prompt_token_ids, r.max_tokens, r.arrival_s, r.id, r.after, r.think_s)
+            for r in named.requests
+        ]
     if not Path(spec).is_file():
         raise FileNotFoundError(
             f"workload {spec!r} is neither one of {workloads.NAMED_WORKLOADS} nor a file"
@@ -97,8 +115,16 @@ def read_workload_file(path: str, num_prompts: int | None) -> list[BenchRequest]
                 raise ValueError(
                     f"{path}:{number}: needs 'prompt_token_ids' (or 'prompt') and 'max_tokens'"
                 )
+            after = row.get("after")
             requests.append(
-                BenchRequest(prompt, int(row["max_tokens"]), float(row.get("arrival_s", 0.0)))
+                BenchRequest(
+                    prompt,
+                    int(row["max_tokens"]),
+                    float(row.get("arrival_s", 0.0)),
+                    int(row.get("id", number - 1)),
+                    None if after is None else int(after),
+                    float(row.get("think_s", 0.0)),
+                )
             )
             if num_prompts is not None and len(requests) >= num_prompts:
                 break
@@ -124,16 +150,41 @@ def synthetic_workload(
 
 
 def schedule(requests: list[BenchRequest], rate: float | None, seed: int) -> list[BenchRequest]:
-    """Arrival offsets: the workload's own when ``rate`` is None, else Poisson (or 0 for inf)."""
+    """Arrival offsets: the workload's own when ``rate`` is None, else Poisson (or 0 for inf).
+
+    Only independent requests get an arrival; a dependent one is sent after its predecessor.
+    """
     if rate is None:
         return requests
     rng = random.Random(seed)
     offset, out = 0.0, []
     for request in requests:
-        out.append(BenchRequest(request.prompt, request.max_tokens, offset))
+        if request.after is not None:
+            out.append(request)
+            continue
+        out.append(replace(request, arrival_s=offset))
         if not math.isinf(rate):
             offset += rng.expovariate(rate)
     return out
+
+
+def check_dependencies(requests: list[BenchRequest], chat: bool) -> None:
+    """Every ``after`` names an earlier request; dependent turns need token-id prompts."""
+    seen: set[int] = set()
+    for request in requests:
+        if request.after is not None:
+            if request.after not in seen:
+                raise ValueError(f"request {request.id} comes after {request.after}, not before it")
+            if chat or not isinstance(request.prompt, list):
+                raise ValueError("multi-turn requests need token-id prompts on /v1/completions")
+        if request.id is not None:
+            seen.add(request.id)
+
+
+def turn_prompt(request: BenchRequest, previous: RequestResult) -> list[int]:
+    """A dependent request's prompt: the previous turn's prompt and answer, then its own."""
+    assert isinstance(previous.prompt, list) and isinstance(request.prompt, list)
+    return [*previous.prompt, *previous.output_token_ids, *request.prompt]
 
 
 # ---------------------------------------------------------------------- the client
@@ -146,8 +197,11 @@ async def send_request(
     request: BenchRequest,
     chat: bool,
     headers: dict[str, str],
+    return_token_ids: bool = False,
 ) -> RequestResult:
-    """One streaming request; every chunk carrying a choice counts as produced tokens."""
+    """One streaming request; every chunk carrying a choice counts as produced tokens.
+
+    With ``return_token_ids`` it asks for (vLLM's field) and keeps the generated ids."""
     payload: dict[str, Any] = {
         "model": model,
         "max_tokens": request.max_tokens,
@@ -162,7 +216,9 @@ async def send_request(
         payload["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         payload["prompt"] = request.prompt
-    result = RequestResult(prompt_tokens=request.prompt_len or 0)
+    if return_token_ids:
+        payload["return_token_ids"] = True
+    result = RequestResult(prompt_tokens=request.prompt_len or 0, prompt=request.prompt)
     chunks = 0
     sent = last = time.perf_counter()
     try:
@@ -183,21 +239,27 @@ async def send_request(
                     return result
                 now = time.perf_counter()
                 if event.get("choices"):
+                    result.output_token_ids.extend(event["choices"][0].get("token_ids") or [])
                     if chunks == 0:
                         result.ttft = now - sent
                     else:
                         result.itl.append(now - last)
                     last = now
                     chunks += 1
-                if event.get("usage"):
-                    result.output_tokens = int(event["usage"].get("completion_tokens", 0))
-                    result.prompt_tokens = int(event["usage"].get("prompt_tokens", 0))
+                if usage := event.get("usage"):
+                    result.output_tokens = int(usage.get("completion_tokens", 0))
+                    result.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = int(details.get("cached_tokens") or 0)
         result.latency = time.perf_counter() - sent
         # Servers that do not report usage: assume one token per chunk.
         result.output_tokens = result.output_tokens or chunks
         result.ok = chunks > 0
         if not result.ok:
             result.error = "the stream carried no tokens"
+        elif return_token_ids and len(result.output_token_ids) != result.output_tokens:
+            result.ok = False
+            result.error = "the server did not return the generated token ids"
     except Exception as error:  # the run goes on; the request counts as failed
         result.error = f"{type(error).__name__}: {error}"
     return result
@@ -223,21 +285,40 @@ async def run_benchmark(
     async with httpx.AsyncClient(
         base_url=base_url, timeout=timeout, limits=limits, trust_env=False
     ) as client:
-        model = await check_server(client, base_url, model, headers)
         chat = "chat" in endpoint
+        check_dependencies(requests, chat)
+        model = await check_server(client, base_url, model, headers)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", disable=not show_progress, unit="req")
+        # Results of the requests a later turn waits on, resolved when their stream ends.
+        awaited = {r.after for r in requests if r.after is not None}
+        loop = asyncio.get_running_loop()
+        answers: dict[int, asyncio.Future[RequestResult]] = {
+            i: loop.create_future() for i in awaited
+        }
         start = time.perf_counter()
 
-        async def one(request: BenchRequest) -> RequestResult:
-            delay = start + request.arrival_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if gate is None:
-                result = await send_request(client, endpoint, model, request, chat, headers)
+        async def send(request: BenchRequest) -> RequestResult:
+            if request.after is not None:
+                previous = await answers[request.after]
+                if not previous.ok:
+                    return RequestResult(error=f"its previous turn {request.after} failed")
+                await asyncio.sleep(request.think_s)
+                request = replace(request, prompt=turn_prompt(request, previous))
             else:
-                async with gate:
-                    result = await send_request(client, endpoint, model, request, chat, headers)
+                delay = start + request.arrival_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            want_ids = request.id in answers
+            if gate is None:
+                return await send_request(client, endpoint, model, request, chat, headers, want_ids)
+            async with gate:
+                return await send_request(client, endpoint, model, request, chat, headers, want_ids)
+
+        async def one(request: BenchRequest) -> RequestResult:
+            result = await send(request)
+            if request.id in answers:
+                answers[request.id].set_result(result)
             bar.update(1)
             return result
 
@@ -311,12 +392,15 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     done = [r for r in results if r.ok]
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
+    cached_tokens = sum(r.cached_tokens for r in done)
     summary: dict[str, Any] = {
         "duration_s": duration_s,
         "completed": len(done),
         "failed": len(results) - len(done),
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        "total_cached_tokens": cached_tokens,
+        "prefill_tokens_computed": input_tokens - cached_tokens,
         "request_throughput": len(done) / duration_s,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
@@ -339,6 +423,8 @@ def format_report(summary: dict[str, Any]) -> str:
     row("Benchmark duration (s):", summary["duration_s"], ".2f")
     row("Total input tokens:", summary["total_input_tokens"])
     row("Total generated tokens:", summary["total_output_tokens"])
+    row("Prompt tokens cached (server-reported):", summary["total_cached_tokens"])
+    row("Prefill tokens computed:", summary["prefill_tokens_computed"])
     row("Request throughput (req/s):", summary["request_throughput"], ".3f")
     row("Output token throughput (tok/s):", summary["output_throughput"], ".2f")
     row("Total token throughput (tok/s):", summary["total_token_throughput"], ".2f")
@@ -361,11 +447,13 @@ def format_report(summary: dict[str, Any]) -> str:
 
 def _plan(requests: list[BenchRequest], base_url: str, endpoint: str) -> str:
     known = [n for r in requests if (n := r.prompt_len) is not None]
+    turns = sum(r.after is not None for r in requests)
     return (
         f"dry run: would send {len(requests)} requests to {base_url}{endpoint} over "
         f"{max(r.arrival_s for r in requests):.1f} s of arrivals; "
-        f"{sum(known)} prompt tokens (token-id prompts), "
-        f"{sum(r.max_tokens for r in requests)} output tokens"
+        f"{sum(known)} prompt tokens (token-id prompts"
+        + (f"; {turns} later turns counted by their new tokens only" if turns else "")
+        + f"), {sum(r.max_tokens for r in requests)} output tokens"
     )
 
 
@@ -409,8 +497,9 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "--dataset-path",
         dest="workload",
         default=None,
-        help="seed8, mixed, online, single (generated in-process, as in bench "
-        "throughput) or a JSONL file (make_workload.py format); default: synthetic",
+        help="seed8, mixed, online, single, shared-prefix, multi-turn (generated "
+        "in-process, as in bench throughput) or a JSONL file (make_workload.py format); "
+        "default: synthetic",
     )
     load.add_argument(
         "--rate",
@@ -459,6 +548,9 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+_NOT_SAVED = ("itl", "output_token_ids", "prompt")
+
+
 def run(args: argparse.Namespace) -> int:
     from inflight.bench.lock import bench_lock, lock_path
 
@@ -477,6 +569,7 @@ def run(args: argparse.Namespace) -> int:
     if rate is None and not args.workload:
         rate = math.inf
     requests = schedule(requests, rate, args.seed)
+    check_dependencies(requests, "chat" in args.endpoint)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if args.dry_run:
         print(_plan(requests, base_url, args.endpoint))
@@ -520,7 +613,7 @@ def run(args: argparse.Namespace) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             **summary,
             "requests": [
-                {k: v for k, v in asdict(r).items() if k != "itl"} | {"tpot": r.tpot}
+                {k: v for k, v in asdict(r).items() if k not in _NOT_SAVED} | {"tpot": r.tpot}
                 for r in results
             ],
         }

@@ -3,6 +3,7 @@
     inflight bench throughput --workload seed8 --compare          # the source's example
     inflight bench throughput --workload mixed --num-prompts 40 --compare --hf-baseline
     inflight bench throughput --input-len 256 --output-len 128 --num-prompts 64
+    inflight bench throughput --workload multi-turn --compare-prefix-caching
 
 This module owns the command: choosing the workload and the runs, running each in its own
 process (so each peak RSS is its own), and writing the results: a table and the ratios on
@@ -41,9 +42,11 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--workload",
         default=None,
-        help="seed8, mixed, online, single (seed8's first prompt, 256 new tokens), or a "
-        "JSONL file (id, prompt_token_ids, max_tokens, arrival_s); arrival times are "
-        "ignored offline; seed8 defaults to --max-num-seqs 8",
+        help="seed8, mixed, online, single (seed8's first prompt, 256 new tokens), "
+        "shared-prefix (64 requests sharing a 512-token system prompt), multi-turn (16 "
+        "chats of 5 turns, each turn sent after the previous answer), or a JSONL file (id, "
+        "prompt_token_ids, max_tokens, arrival_s[, after, think_s]); arrival and think "
+        "times are ignored offline; seed8 defaults to --max-num-seqs 8",
     )
     source.add_argument(
         "--rate",
@@ -78,6 +81,12 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "--compare",
         action="store_true",
         help="run both static and continuous batching (ignores --batching)",
+    )
+    runs.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="run inflight twice, prefix caching on and off (overrides "
+        "--[no-]enable-prefix-caching), and compare prefill tokens computed",
     )
     runs.add_argument(
         "--hf-baseline",
@@ -139,10 +148,21 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
 class PlannedRun:
     engine: str  # "inflight" or "transformers"
     batching: str
+    # inflight: force prefix caching on or off; None keeps --[no-]enable-prefix-caching
+    prefix_caching: bool | None = None
+
+    @property
+    def name(self) -> str:
+        suffix = "_no-prefix-caching" if self.prefix_caching is False else ""
+        return f"{self.engine}_{self.batching}{suffix}"
 
     @property
     def trace_name(self) -> str:
-        return f"trace_{self.engine}_{self.batching}.jsonl"
+        return f"trace_{self.name}.jsonl"
+
+    @property
+    def label_suffix(self) -> str:
+        return ", no prefix caching" if self.prefix_caching is False else ""
 
 
 def load_workload(args: argparse.Namespace) -> Any:  # -> Workload
@@ -168,7 +188,8 @@ def load_workload(args: argparse.Namespace) -> Any:  # -> Workload
 
 def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
     modes = ["static", "continuous"] if args.compare else [args.batching]
-    planned = [PlannedRun("inflight", m) for m in modes]
+    caching: list[bool | None] = [True, False] if args.compare_prefix_caching else [None]
+    planned = [PlannedRun("inflight", m, c) for c in caching for m in modes]
     if args.hf_baseline:
         planned.append(PlannedRun("transformers", "static"))
     return planned
@@ -213,7 +234,10 @@ def execute(
         }
     else:
         fn = run_inflight
-        call_args = (workload, args.model, {**options, "batching": planned.batching})
+        run_options = {**options, "batching": planned.batching}
+        if planned.prefix_caching is not None:
+            run_options["enable_prefix_caching"] = planned.prefix_caching
+        call_args = (workload, args.model, run_options)
         kwargs = {
             "warmup": args.warmup,
             "use_tqdm": args.progress,
@@ -229,6 +253,10 @@ def run(args: argparse.Namespace) -> int:
     from inflight.bench.report import format_ratios, format_table, ratios, write_json
 
     workload = load_workload(args)
+    if args.hf_baseline and workload.has_dependencies:
+        raise ValueError(
+            "--hf-baseline cannot run a multi-turn workload (its turns wait on answers)"
+        )
     options = engine_options_for(args, args.workload)
     path = output_path(args, workload.name)
     print(
@@ -249,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
     if ratios(reports):
         print()
         print(format_ratios(ratios(reports)))
+    for line in prefix_caching_lines(reports):
+        print(line)
     for report in reports:
         if report.batching == "static":
             s = report.slots
@@ -277,6 +307,7 @@ def _run_one(
 
     print(f"running {planned.engine} {planned.batching} ...", file=sys.stderr, flush=True)
     result = execute(planned, workload, args, options)
+    result.report.label += planned.label_suffix
     if result.folded_token_ids:
         print("note: token ids were folded into the model's vocabulary", file=sys.stderr)
     trace_path = path.parent / planned.trace_name
@@ -286,7 +317,7 @@ def _run_one(
     if step_ms:
         print(_format_step_time(planned.batching, step_ms), file=sys.stderr)
     if result.profile_table:
-        profile_path = path.parent / f"profile_{planned.engine}_{planned.batching}.txt"
+        profile_path = path.parent / f"profile_{planned.name}.txt"
         profile_path.write_text(result.profile_table)
         print(result.profile_table, file=sys.stderr)
         print(f"profile: {profile_path}", file=sys.stderr)
@@ -302,18 +333,43 @@ def planned_files(args: argparse.Namespace, path: Path) -> list[Path]:
     if args.plots:
         files += [path.parent / name for name in (*PICTURES, "throughput.png")]
     if args.profile:
-        files += [
-            path.parent / f"profile_{p.engine}_{p.batching}.txt"
-            for p in planned
-            if p.engine == "inflight"
-        ]
+        files += [path.parent / f"profile_{p.name}.txt" for p in planned if p.engine == "inflight"]
     return files
 
 
 def _dry_run_plan(args: argparse.Namespace, options: dict[str, Any], path: Path) -> str:
-    runs = ", ".join(f"{p.engine} {p.batching}" for p in plan_runs(args))
+    runs = ", ".join(f"{p.engine} {p.batching}{p.label_suffix}" for p in plan_runs(args))
     lines = [f"dry run: would run {runs}", f"engine options: {options}", "would write:"]
     return "\n".join([*lines, *(f"  {f}" for f in planned_files(args, path))])
+
+
+def prefix_caching_lines(reports: list[Any]) -> list[str]:  # reports: list[BenchReport]
+    """For each run with caching off, its prefill tokens against the same batching's
+    run with caching on: the machine-independent saving."""
+    lines = []
+    for off in reports:
+        if off.engine != "inflight" or off.options.get("enable_prefix_caching", True):
+            continue
+        on = next(
+            (
+                r
+                for r in reports
+                if r.engine == "inflight"
+                and r.batching == off.batching
+                and r.options.get("enable_prefix_caching")
+            ),
+            None,
+        )
+        if on is None:
+            continue
+        saved = off.num_prefill_tokens_computed / max(on.num_prefill_tokens_computed, 1)
+        lines.append(
+            f"prefix caching ({on.batching}): {on.num_prefill_tokens_computed} prefill tokens "
+            f"computed vs {off.num_prefill_tokens_computed} without ({saved:.2f}x less), "
+            f"{on.cached_share:.1%} of prompt tokens cached; "
+            f"{on.output_tokens_per_s / off.output_tokens_per_s:.2f}x output tokens/s"
+        )
+    return lines
 
 
 def _format_step_time(batching: str, ms: dict[str, float]) -> str:

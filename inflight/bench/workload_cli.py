@@ -17,7 +17,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
 
     parser = bench_subparsers.add_parser(
         "workload",
-        help="write a named workload (seed8, mixed, online, single) as JSONL",
+        help="write a named workload (seed8, mixed, online, single, shared-prefix, multi-turn) "
+        "as JSONL",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -6,12 +6,29 @@ This module owns the workload record and every way of getting one:
   very algorithm and seeds of the project's ``bench/make_workload.py`` (so the token ids
   are identical, without importing anything from outside the package at run time), and
   ``single``: seed8's first prompt with 256 new tokens (the single-stream measurement);
+* two named workloads that show prefix caching, each from its own seeded generator:
+  ``shared-prefix`` (N requests sharing one K-token system prompt, distinct suffixes) and
+  ``multi-turn`` (chat conversations that resend their whole history every turn);
 * vLLM-style synthetic workloads (``--input-len``, ``--output-len``, ``--num-prompts``,
   ``--range-ratio``);
 * JSONL files with one ``{"id", "prompt_token_ids", "max_tokens", "arrival_s"}`` per line.
 
 Every request is run greedy with EOS ignored, so it generates exactly ``max_tokens``
 tokens and token counts are known before the run.
+
+Dependent requests (multi-turn chat). A turn's prompt must hold the previous turn's
+*actual* answer, which exists only once that turn has run, so a workload cannot spell it
+out. Design: a request with ``after`` set (the ``id`` of its predecessor, which always
+comes earlier in the list) stores in ``prompt_token_ids`` only its *new* user tokens; a
+runner sends it once the predecessor has finished (plus ``think_s`` seconds of user think
+time, honoured by ``bench serve``; the offline runner has no clock and ignores it) with
+the prompt ::
+
+    predecessor's full prompt + predecessor's generated tokens + prompt_token_ids
+
+(:func:`full_prompt`). Because EOS is ignored, every full prompt's *length* is known in
+advance (:func:`full_prompt_lens`). In JSONL, ``after`` and ``think_s`` appear only on
+dependent requests, so independent workloads keep ``make_workload.py``'s format.
 """
 
 from __future__ import annotations
@@ -25,7 +42,7 @@ from pathlib import Path
 # The named workloads target SmolLM2 (vocab 49152) and stay clear of its special and
 # byte tokens, exactly as bench/make_workload.py does.
 LOW_ID, HIGH_ID = 1000, 49000
-NAMED_WORKLOADS = ("seed8", "mixed", "online", "single")
+NAMED_WORKLOADS = ("seed8", "mixed", "online", "single", "shared-prefix", "multi-turn")
 SINGLE_MAX_TOKENS = 256
 DEFAULT_ONLINE_RATE = 4.0
 
@@ -36,9 +53,17 @@ class WorkloadRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_s: float = 0.0
+    # Multi-turn: the id of the request whose answer this one continues (see the module
+    # docstring; prompt_token_ids then holds only the new tokens), and the user's think
+    # time between that answer and this request.
+    after: int | None = None
+    think_s: float = 0.0
 
     def to_json(self) -> dict:
-        return asdict(self)
+        row = asdict(self)
+        if self.after is None:  # independent requests keep make_workload.py's format
+            del row["after"], row["think_s"]
+        return row
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +73,12 @@ class Workload:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(r.prompt_token_ids) for r in self.requests)
+        """Prompt tokens sent, dependent requests' full (history-resending) prompts included."""
+        return sum(full_prompt_lens(self.requests).values())
+
+    @property
+    def has_dependencies(self) -> bool:
+        return any(r.after is not None for r in self.requests)
 
     @property
     def num_output_tokens(self) -> int:
@@ -60,6 +90,7 @@ class Workload:
             return self
         if num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+        # Predecessors come first, so a prefix of the list keeps every dependency.
         return Workload(f"{self.name}[:{num_prompts}]", self.requests[:num_prompts])
 
     def repeat(self, times: int) -> Workload:
@@ -69,8 +100,16 @@ class Workload:
         if times == 1:
             return self
         n = len(self.requests)
+        index = {r.id: i for i, r in enumerate(self.requests)}
         copies = [
-            WorkloadRequest(k * n + i, list(r.prompt_token_ids), r.max_tokens, r.arrival_s)
+            WorkloadRequest(
+                k * n + i,
+                list(r.prompt_token_ids),
+                r.max_tokens,
+                r.arrival_s,
+                None if r.after is None else k * n + index[r.after],
+                r.think_s,
+            )
             for k in range(times)
             for i, r in enumerate(self.requests)
         ]
@@ -151,6 +190,94 @@ def synthetic(
     return Workload(f"random-{input_len}-{output_len}", requests)
 
 
+# ---------------------------------------------------------------- prefix-caching workloads
+# Each has its own seeded generator: the draws above stay exactly as they are.
+
+
+def shared_prefix(
+    num_prompts: int = 64,
+    prefix_len: int = 512,
+    suffix_len: tuple[int, int] = (16, 128),
+    output_len: tuple[int, int] = (32, 128),
+    seed: int = 0,
+) -> Workload:
+    """``num_prompts`` requests: one shared ``prefix_len``-token system prompt, then a
+    distinct suffix of uniform ``suffix_len`` tokens; outputs uniform in ``output_len``."""
+    if num_prompts < 1 or prefix_len < 1:
+        raise ValueError("shared-prefix needs num_prompts >= 1 and prefix_len >= 1")
+    rng = random.Random(seed)
+    system = _prompt(rng, prefix_len)
+    requests = []
+    for i in range(num_prompts):
+        suffix = _prompt(rng, rng.randint(*suffix_len))
+        requests.append(WorkloadRequest(i, system + suffix, rng.randint(*output_len)))
+    return Workload("shared-prefix", requests)
+
+
+def multi_turn(
+    num_conversations: int = 16,
+    num_turns: int = 5,
+    first_len: tuple[int, int] = (64, 256),
+    user_len: tuple[int, int] = (16, 128),
+    output_len: tuple[int, int] = (32, 128),
+    think_s: float = 0.0,
+    seed: int = 0,
+) -> Workload:
+    """``num_conversations`` chats of ``num_turns`` turns each, listed conversation by
+    conversation (so ``head`` keeps whole early conversations). Turn 0 is a fresh prompt of
+    uniform ``first_len`` tokens, arriving at 0; every later turn adds a user message of
+    uniform ``user_len`` tokens after the previous turn's answer (see the module docstring:
+    ``after`` and ``think_s``). Answers are uniform in ``output_len`` tokens."""
+    if num_conversations < 1 or num_turns < 1:
+        raise ValueError("multi-turn needs num_conversations >= 1 and num_turns >= 1")
+    rng = random.Random(seed)
+    requests: list[WorkloadRequest] = []
+    for _ in range(num_conversations):
+        previous: int | None = None
+        for turn in range(num_turns):
+            new_tokens = _prompt(rng, rng.randint(*(user_len if turn else first_len)))
+            request_id = len(requests)
+            requests.append(
+                WorkloadRequest(
+                    request_id,
+                    new_tokens,
+                    rng.randint(*output_len),
+                    after=previous,
+                    think_s=think_s if previous is not None else 0.0,
+                )
+            )
+            previous = request_id
+    return Workload("multi-turn", requests)
+
+
+def full_prompt(
+    request: WorkloadRequest,
+    predecessor_prompt: list[int] | None,
+    predecessor_output: list[int] | None,
+) -> list[int]:
+    """The prompt to send: the request's own tokens, or for a dependent request its
+    predecessor's full prompt and generated tokens followed by its new tokens."""
+    if request.after is None:
+        return list(request.prompt_token_ids)
+    if predecessor_prompt is None or predecessor_output is None:
+        raise ValueError(f"request {request.id} needs the prompt and output of {request.after}")
+    return [*predecessor_prompt, *predecessor_output, *request.prompt_token_ids]
+
+
+def full_prompt_lens(requests: list[WorkloadRequest]) -> dict[int, int]:
+    """Every request's full prompt length, known in advance since EOS is ignored."""
+    lens: dict[int, int] = {}
+    by_id = {r.id: r for r in requests}
+    for r in requests:
+        if r.after is None:
+            lens[r.id] = len(r.prompt_token_ids)
+            continue
+        if r.after not in lens:
+            raise ValueError(f"request {r.id} comes after {r.after}, which is not before it")
+        lens[r.id] = lens[r.after] + by_id[r.after].max_tokens + len(r.prompt_token_ids)
+    return lens
+
+
 # ---------------------------------------------------------------- files and resolution
 
 
@@ -162,11 +289,14 @@ def read_jsonl(path: str | Path) -> Workload:
                 continue
             row = json.loads(line)
             try:
+                after = row.get("after")
                 request = WorkloadRequest(
                     int(row.get("id", n - 1)),
                     [int(t) for t in row["prompt_token_ids"]],
                     int(row["max_tokens"]),
                     float(row.get("arrival_s", 0.0)),
+                    None if after is None else int(after),
+                    float(row.get("think_s", 0.0)),
                 )
             except (KeyError, TypeError) as error:
                 raise ValueError(f"{path}:{n}: needs prompt_token_ids and max_tokens") from error
@@ -175,6 +305,7 @@ def read_jsonl(path: str | Path) -> Workload:
             requests.append(request)
     if not requests:
         raise ValueError(f"{path} holds no requests")
+    full_prompt_lens(requests)  # every dependency points back to an earlier request
     return Workload(Path(path).stem, requests)
 
 
@@ -187,6 +318,10 @@ def named(name: str, rate: float | None = None) -> Workload:
         return online(rate or DEFAULT_ONLINE_RATE)
     if name == "single":
         return single()
+    if name == "shared-prefix":
+        return shared_prefix()
+    if name == "multi-turn":
+        return multi_turn()
     raise ValueError(f"unknown workload {name!r}; use one of {NAMED_WORKLOADS} or a .jsonl path")
 
 
@@ -218,6 +353,8 @@ def fit_to_vocab(workload: Workload, vocab_size: int) -> tuple[Workload, bool]:
             [low + (t - LOW_ID) % span for t in r.prompt_token_ids],
             r.max_tokens,
             r.arrival_s,
+            r.after,
+            r.think_s,
         )
         for r in workload.requests
     ]

@@ -118,6 +118,36 @@ def test_named_workloads_are_generated_in_process(capsys) -> None:
     assert "8 requests" in out and "1024 prompt tokens" in out and "850 output tokens" in out
 
 
+def test_multi_turn_turns_resend_the_answered_history(
+    tiny_server: ServerProcess, tmp_path: Path
+) -> None:
+    """Each turn goes out after its previous answer, its prompt holding that prompt and
+    answer (so the server's prefix cache serves the history)."""
+    from inflight.bench import workloads
+
+    small = workloads.multi_turn(2, 3, first_len=(40, 60), user_len=(8, 16), output_len=(8, 16))
+    small = workloads.fit_to_vocab(small, 512)[0]
+    path = tmp_path / "multi-turn.jsonl"
+    small.write_jsonl(path)
+    out = tmp_path / "multi-turn.json"
+    args = ["bench", "serve", "--base-url", tiny_server.url, "--api-key", API_KEY]
+    args += ["--workload", str(path), "--result-json", str(out), "--disable-tqdm"]
+    assert main([*args, "--no-bench-lock"]) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    lens = workloads.full_prompt_lens(small.requests)
+    # A turn's prompt length is only right if it carried the previous answer's tokens.
+    assert [r["prompt_tokens"] for r in result["requests"]] == [lens[r.id] for r in small.requests]
+    later = [
+        r for r, w in zip(result["requests"], small.requests, strict=True) if w.after is not None
+    ]
+    assert all(r["cached_tokens"] > 0 for r in later)
+    assert (
+        result["prefill_tokens_computed"]
+        == result["total_input_tokens"] - result["total_cached_tokens"]
+    )
+
+
 def one_line_error(capsys) -> str:
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
