@@ -16,6 +16,7 @@ import pytest
 from structured_schemas import NO_WHITESPACE, SCHEMAS
 
 from inflight import LLM, SamplingParams, StructuredOutputsParams
+from inflight.entrypoints.chat_utils import ChatOptions, render_chat
 
 REGEXES = {
     "phone": r"[0-9]{3}-[0-9]{4}",
@@ -74,7 +75,10 @@ def llm() -> LLM:
 
 
 def _prompt(llm: LLM, question: str) -> dict[str, list[int]]:
-    return {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": question}])}
+    rendered = render_chat(
+        llm.get_tokenizer(), [{"role": "user", "content": question}], ChatOptions()
+    )
+    return {"prompt_token_ids": rendered.prompt_token_ids}
 
 
 @pytest.fixture(scope="module")

@@ -176,8 +176,6 @@ REFUSED_COMPLETION = REFUSED_SHARED | {
     "prompt_embeds": ("AAAA", None),
 }
 REFUSED_CHAT = REFUSED_SHARED | {
-    "logprobs": (True, False),
-    "top_logprobs": (2, 0),
     "functions": ([{"name": "f"}], None),
     "function_call": ({"name": "f"}, "none"),
     "reasoning_effort": ("low", None),
