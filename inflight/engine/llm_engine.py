@@ -53,7 +53,7 @@ from inflight.core.request import Request, RequestStatus
 from inflight.core.scheduler import Scheduler
 from inflight.engine.detokenizer import IncrementalDetokenizer
 from inflight.engine.step_timings import StepTimings
-from inflight.engine.step_trace import ScheduledEntry, StepRecord, StepTrace
+from inflight.engine.step_trace import StepTrace, record_step
 from inflight.outputs import (
     CompletionOutput,
     Logprob,
@@ -526,28 +526,9 @@ class LLMEngine:
     ) -> None:
         if not self.step_trace.enabled:
             return
-        entries = [
-            ScheduledEntry(
-                s.request_id, s.slot, s.num_tokens, "prefill" if s.is_prefill else "decode",
-                s.num_cached_tokens,
-            )
-            for s in scheduler_output.scheduled
-        ]
-        busy = {e.slot for e in entries}
-        owners = self.scheduler.slots.owners
-        self.step_trace.append(StepRecord(
-            step=scheduler_output.step_id,
-            start_time=started - self._trace_origin,
-            duration_s=ended - started,
-            entries=entries,
-            preempted=list(scheduler_output.preempted_request_ids),
-            finished=[u.request_id for u in updates if u.finished],
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_blocks_used=self.kv_cache.pool.num_used_blocks,
-            kv_blocks_total=self.kv_cache.num_blocks,
-            num_slots=len(owners),
-            idle_slots=[i for i, owner in enumerate(owners) if owner is not None and i not in busy],
+        self.step_trace.append(record_step(
+            self.scheduler, scheduler_output, updates,
+            start_time=started - self._trace_origin, duration_s=ended - started,
         ))
 
 

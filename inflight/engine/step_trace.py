@@ -11,6 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from inflight.core.interface import RequestUpdate, SchedulerOutput
+    from inflight.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +81,35 @@ class StepTrace:
     def read_jsonl(path: str | Path) -> list[StepRecord]:
         with open(path, encoding="utf-8") as f:
             return [StepRecord.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+def record_step(
+    scheduler: Scheduler, output: SchedulerOutput, updates: list[RequestUpdate],
+    start_time: float, duration_s: float,
+) -> StepRecord:
+    """The record of one step, read right after ``update_from_output`` (queues and KV use
+    as the step left them). Used by the engine and by the planner's simulator alike."""
+    entries = [
+        ScheduledEntry(
+            s.request_id, s.slot, s.num_tokens, "prefill" if s.is_prefill else "decode",
+            s.num_cached_tokens,
+        )
+        for s in output.scheduled
+    ]
+    busy = {e.slot for e in entries}
+    owners = scheduler.slots.owners
+    kv_cache = scheduler.kv_cache
+    return StepRecord(
+        step=output.step_id,
+        start_time=start_time,
+        duration_s=duration_s,
+        entries=entries,
+        preempted=list(output.preempted_request_ids),
+        finished=[u.request_id for u in updates if u.finished],
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        kv_blocks_used=kv_cache.pool.num_used_blocks,
+        kv_blocks_total=kv_cache.num_blocks,
+        num_slots=len(owners),
+        idle_slots=[i for i, owner in enumerate(owners) if owner is not None and i not in busy],
+    )

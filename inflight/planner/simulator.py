@@ -32,7 +32,7 @@ from inflight.core.interface import ModelRunnerOutput, RequestUpdate, SchedulerO
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler
-from inflight.engine.step_trace import ScheduledEntry, StepRecord
+from inflight.engine.step_trace import StepRecord, record_step
 from inflight.planner.cost_model import CostModel, StepFeatures
 from inflight.sampling_params import SamplingParams
 
@@ -270,30 +270,8 @@ class Simulator:
         self, output: SchedulerOutput, updates: list[RequestUpdate], started: float,
         duration: float,
     ) -> None:
-        """The engine's step record (``LLMEngine._record_step``'s fields and meaning)."""
-        entries = [
-            ScheduledEntry(
-                s.request_id, s.slot, s.num_tokens, "prefill" if s.is_prefill else "decode",
-                s.num_cached_tokens,
-            )
-            for s in output.scheduled
-        ]
-        busy = {e.slot for e in entries}
-        owners = self.scheduler.slots.owners
-        self.records.append(StepRecord(
-            step=output.step_id,
-            start_time=started,
-            duration_s=duration,
-            entries=entries,
-            preempted=list(output.preempted_request_ids),
-            finished=[u.request_id for u in updates if u.finished],
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_blocks_used=self.kv_cache.pool.num_used_blocks,
-            kv_blocks_total=self.kv_cache.num_blocks,
-            num_slots=len(owners),
-            idle_slots=[i for i, o in enumerate(owners) if o is not None and i not in busy],
-        ))
+        """The engine's step record (the same builder as ``LLMEngine``'s trace)."""
+        self.records.append(record_step(self.scheduler, output, updates, started, duration))
 
 
 def simulate(
