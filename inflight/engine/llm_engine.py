@@ -183,6 +183,8 @@ class LLMEngine:
         self._parents: dict[str, _ParentState] = {}
         self._child_of: dict[str, tuple[str, int]] = {}  # child id -> (parent id, index)
         self._trace_origin = time.monotonic()
+        self._token_texts: dict[int, str] = {}  # logprobs' decoded tokens, by id
+        self._decode_anchor: list[int] | None = None
         self._next_id = 0
 
     @classmethod
@@ -478,7 +480,22 @@ class LLMEngine:
         return out
 
     def _decode_token(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))
+        """A token's text as it reads inside a sequence, leading space included (decoding
+        it alone drops SentencePiece's word-start space): the difference between decoding
+        an anchor token with and without it after. Cached per id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            if self._decode_anchor is None:
+                self._decode_anchor = list(self.tokenizer.encode("a", add_special_tokens=False))
+            anchor = self._decode_anchor
+            base = str(self.tokenizer.decode(anchor))
+            full = str(self.tokenizer.decode([*anchor, token_id]))
+            text = (
+                full[len(base):] if anchor and full.startswith(base)
+                else str(self.tokenizer.decode([token_id]))
+            )
+            self._token_texts[token_id] = text
+        return text
 
     def _take_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
         """Store each position once (a preempted request recomputes its prompt)."""

@@ -71,6 +71,9 @@ def test_completion_logprobs_equal_offline(client: openai.OpenAI, offline: LLM) 
     for token in logprobs.tokens[:-1]:
         offsets.append(offsets[-1] + len(token))
     assert logprobs.text_offset == offsets
+    # The tokens' strings keep their leading spaces: together they are the text, so each
+    # text_offset points at its token inside it.
+    assert "".join(logprobs.tokens) == choice.text
 
 
 def test_echo_with_max_tokens_zero_gives_prompt_logprobs(
