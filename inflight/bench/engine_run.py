@@ -120,6 +120,7 @@ def run_inflight(
     use_tqdm: bool = False,
     threads: int | None = None,
     profile: bool = False,
+    sampling_extras: bool = False,
 ) -> RunResult:
     """Run ``workload`` through ``LLM.generate`` once, timed, with the step trace on.
 
@@ -145,7 +146,9 @@ def run_inflight(
     engine.timings.reset()
     with _maybe_profile(profile) as profiler:
         started = time.perf_counter()
-        outputs = generate_workload(engine, workload, use_tqdm=use_tqdm)
+        outputs = generate_workload(
+            engine, workload, use_tqdm=use_tqdm, sampling_extras=sampling_extras
+        )
         wall = time.perf_counter() - started
     profile_table = None
     if profiler is not None:
@@ -201,10 +204,18 @@ def run_inflight(
     return RunResult(report, records, folded, profile_table)
 
 
+# --sampling-extras: OpenAI/vLLM options a chat front-end or an eval harness sends.
+SAMPLING_EXTRAS: dict[str, Any] = dict(
+    presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5
+)
+
+
 def generate_workload(
-    engine: LLMEngine, workload: Workload, *, use_tqdm: bool = False
+    engine: LLMEngine, workload: Workload, *, use_tqdm: bool = False,
+    sampling_extras: bool = False,
 ) -> list[RequestOutput]:
     """Run every request greedy with EOS ignored; outputs in the workload's order.
+    ``sampling_extras`` adds :data:`SAMPLING_EXTRAS` to every request.
 
     Independent requests are added before the first step; a dependent one right after
     the step in which its predecessor finished, with :func:`workloads.full_prompt`.
@@ -219,7 +230,10 @@ def generate_workload(
 
     def add(request: WorkloadRequest, prompt: list[int]) -> None:
         request_id = engine.new_request_id()
-        params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True,
+            **(SAMPLING_EXTRAS if sampling_extras else {}),
+        )
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
         running[request_id] = request
 

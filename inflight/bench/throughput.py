@@ -120,6 +120,12 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "whenever stderr is a terminal)",
     )
     runs.add_argument(
+        "--sampling-extras",
+        action="store_true",
+        help="every inflight request also asks for presence/frequency/repetition penalties "
+        "and logprobs=5 (still greedy with EOS ignored): what those options cost",
+    )
+    runs.add_argument(
         "--profile",
         action="store_true",
         help="record inflight runs with torch's profiler; writes the per-op table next to "
@@ -243,6 +249,7 @@ def execute(
             "use_tqdm": args.progress,
             "threads": args.threads,
             "profile": args.profile,
+            "sampling_extras": args.sampling_extras,
         }
     return run_isolated(fn, *call_args, **kwargs) if args.isolate else fn(*call_args, **kwargs)
 

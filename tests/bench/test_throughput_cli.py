@@ -99,3 +99,19 @@ def test_missing_workload_is_a_clear_error(capsys) -> None:
 
 def test_isolated_runs_report_their_own_process() -> None:
     assert run_isolated(peak_rss_mib) > 0
+
+
+def test_sampling_extras_reach_every_request(tiny_llama_dir: Path) -> None:
+    from inflight import LLM
+    from inflight.bench.engine_run import SAMPLING_EXTRAS, generate_workload
+    from inflight.bench.workloads import Workload, WorkloadRequest
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    workload = Workload("w", [WorkloadRequest(i, [5 + i, 9, 11, 9], 6) for i in range(3)])
+    plain = generate_workload(llm.llm_engine, workload)
+    extras = generate_workload(llm.llm_engine, workload, sampling_extras=True)
+    k = SAMPLING_EXTRAS["logprobs"]
+    for a, b in zip(plain, extras, strict=True):
+        assert a.outputs[0].logprobs is None and len(b.outputs[0].token_ids) == 6
+        assert b.outputs[0].logprobs is not None
+        assert all(len(position) >= k for position in b.outputs[0].logprobs)
