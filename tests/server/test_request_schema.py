@@ -261,6 +261,27 @@ def test_refused_fields_are_named_unless_neutral(tiny_server: ServerProcess, end
 
 
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_vllm_legacy_guided_fields_are_refused_by_name(
+    tiny_server: ServerProcess, endpoint: str
+) -> None:
+    """vLLM before 0.12 took guided_*; ignoring them would give unconstrained output."""
+    path, base, _, _, _ = ENDPOINTS[endpoint]
+    for name, value in (("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"})):
+        response = _post(tiny_server, path, base | {name: value})
+        assert response.status_code == 400, (name, response.text)
+        error = response.json()["error"]
+        assert error["param"] == name and "structured_outputs" in error["message"], error
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_n_is_capped_as_in_openai(tiny_server: ServerProcess, endpoint: str) -> None:
+    path, base, _, _, _ = ENDPOINTS[endpoint]
+    response = _post(tiny_server, path, base | {"n": 100000})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+    _assert_ok(_post(tiny_server, path, base | {"n": 2}), False)
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 def test_unknown_fields_are_ignored(tiny_server: ServerProcess, endpoint: str) -> None:
     path, base, _, _, _ = ENDPOINTS[endpoint]
     _assert_ok(_post(tiny_server, path, base | {"not_a_field_anywhere": {"x": 1}}), False)

@@ -18,6 +18,7 @@ from inflight.entrypoints.openai.request_fields import (
     COMPLETION_FIELDS,
     Treatment,
     log_unknown_fields,
+    refuse_legacy_guided_fields,
     refuse_unsupported,
 )
 from inflight.sampling_params import SamplingParams, StructuredOutputsParams
@@ -37,6 +38,7 @@ def check_supported(request: GenerationRequest) -> None:
         raise bad_request(
             "Stream options can only be defined when `stream=True`.", "stream_options"
         )
+    refuse_legacy_guided_fields(request)
     refuse_unsupported(request, table)
 
 

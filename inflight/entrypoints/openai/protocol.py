@@ -42,7 +42,8 @@ class _GenerationFields(_Request):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    # OpenAI's limit: one request must not be able to fill the engine for minutes.
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

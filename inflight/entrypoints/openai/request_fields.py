@@ -50,6 +50,14 @@ class Refused:
 Treatment = Implemented | Refused
 
 _LATER = "not supported by this server yet"
+_DEPRECATED_FUNCTIONS = "OpenAI deprecated it; use 'tools' and 'tool_choice'"
+# vLLM's request fields before 0.12, replaced by ``structured_outputs``: in neither schema
+# any more, but a migrating client still sends them, so they are refused by name rather
+# than ignored (their output would silently be unconstrained).
+LEGACY_GUIDED_FIELDS = frozenset({
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object",
+    "guided_decoding_backend", "guided_whitespace_pattern",
+})
 _TEXT_ONLY = "this model reads and writes text only"
 _NO_REASONING = "this model has no reasoning mode"
 _NO_DISAGG = "this server has no disaggregated prefill/encoder"
@@ -144,8 +152,8 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
         "none, auto (Hermes <tool_call> parsing), required or a named function (grammar)"
     ),
     "parallel_tool_calls": Implemented("false keeps only the first of an auto answer's calls"),
-    "functions": Refused(f"tool calling is {_LATER}"),
-    "function_call": Refused(f"tool calling is {_LATER}", equals("none", "auto")),
+    "functions": Refused(_DEPRECATED_FUNCTIONS),
+    "function_call": Refused(_DEPRECATED_FUNCTIONS, equals("none", "auto")),
     "reasoning_effort": Refused(_NO_REASONING),
     "include_reasoning": Implemented("accepted: no reasoning is separated from the answer"),
     "audio": Refused(_TEXT_ONLY),
@@ -202,6 +210,17 @@ def refuse_unsupported(request: BaseModel, table: Mapping[str, Treatment]) -> No
             raise bad_request(
                 f"'{name}' is not supported: {treatment.reason}.", name, "unsupported_parameter"
             )
+
+
+def refuse_legacy_guided_fields(request: BaseModel) -> None:
+    """A 400 naming a pre-0.12 vLLM ``guided_*`` field, pointing at its replacement."""
+    for name in sorted(set(request.model_extra or {}) & LEGACY_GUIDED_FIELDS):
+        raise bad_request(
+            f"'{name}' is not supported: vLLM replaced the guided_* fields with "
+            "'structured_outputs' (json, regex, choice, grammar, json_object).",
+            name,
+            "unsupported_parameter",
+        )
 
 
 def log_unknown_fields(request: BaseModel, endpoint: str) -> None:
