@@ -52,6 +52,12 @@ from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 from inflight.core.request import Request, RequestStatus
 from inflight.core.scheduler import Scheduler
 from inflight.engine.detokenizer import IncrementalDetokenizer
+from inflight.engine.request_checks import (
+    bad_words_token_ids,
+    cache_salt_of,
+    check_prompt_token_ids,
+    check_token_options,
+)
 from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import StepTrace, record_step
 from inflight.outputs import (
@@ -64,8 +70,6 @@ from inflight.outputs import (
     SampleLogprobs,
 )
 from inflight.sampling_params import INT64_MAX, INT64_MIN, InvalidRequestError, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 logger = logging.getLogger(__name__)
 
@@ -226,14 +230,14 @@ class LLMEngine:
             if unknown:
                 raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _check_token_ids(
+                return prompt.get("prompt"), check_prompt_token_ids(
                     prompt["prompt_token_ids"], self.vocab_size
                 )
             if "prompt" in prompt:
                 return self.tokenize_prompt(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list):
-            return None, _check_token_ids(prompt, self.vocab_size)
+            return None, check_prompt_token_ids(prompt, self.vocab_size)
         raise TypeError(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
 
     def add_request(
@@ -266,7 +270,7 @@ class LLMEngine:
             pending=list(zip(child_ids[1:], children[1:], strict=True)),
             add_options={"prompt": {"prompt": state.prompt,
                                     "prompt_token_ids": state.request.prompt_token_ids,
-                                    **_salt_field(prompt)}, **options},
+                                    "cache_salt": cache_salt_of(prompt)}, **options},
             metrics=state.metrics,
         )
         self._parents[request_id] = parent
@@ -282,14 +286,13 @@ class LLMEngine:
     ) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
-        _check_stop_token_ids(params, self.vocab_size)
         if params.structured_outputs is not None:
             self.structured_output.validate(params.structured_outputs)
-        _check_token_options(params, self.vocab_size, self.config.max_logprobs)
+        check_token_options(params, self.vocab_size, self.config.max_logprobs)
         if params.bad_words and not params._bad_words_token_ids:
-            params._bad_words_token_ids = _bad_words_token_ids(self.tokenizer, params.bad_words)
+            params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         text, token_ids = self.tokenize_prompt(prompt)
-        cache_salt = _cache_salt(prompt)
+        cache_salt = cache_salt_of(prompt)
         now = time.monotonic()
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
@@ -570,16 +573,6 @@ def _stopped_by_token(request: Request) -> bool:
     return last in request.eos_token_ids or last in request.stop_token_ids
 
 
-def _check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. "
-            f"Vocabulary size: {vocab_size}",
-            "stop_token_ids",
-        )
-
-
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Completion ``index`` of an n > 1 request: n=1, its own seed (``seed + index``,
     wrapped into int64); only child 0 asks for prompt logprobs (unless max_tokens=0)."""
@@ -591,70 +584,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         params, n=1, best_of=None, seed=seed,
         prompt_logprobs=params.prompt_logprobs if keep_prompt_logprobs else None,
     )
-
-
-def _salt_field(prompt: PromptInput) -> dict[str, Any]:
-    return {"cache_salt": prompt["cache_salt"]} if isinstance(prompt, dict) and "cache_salt" in prompt else {}
-
-
-def _check_token_options(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
-    """Token ids in logit_bias / allowed_token_ids within the vocabulary; logprobs within
-    the engine's ``max_logprobs``."""
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and value > max_logprobs:
-            raise InvalidRequestError(
-                f"Requested {name} of {value}, which is greater than max allowed: {max_logprobs}",
-                name,
-            )
-    bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
-            f"Vocabulary size: {vocab_size}",
-            "logit_bias",
-        )
-    bad = [t for t in params.allowed_token_ids or [] if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"token_id(s) {bad} in allowed_token_ids contain out-of-vocab token ids. "
-            f"Vocabulary size: {vocab_size}",
-            "allowed_token_ids",
-        )
-
-
-def _bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
-    """Each bad word's token ids as written and with a leading space (how it is spelled
-    after another word), as vLLM; duplicates dropped."""
-    found: dict[tuple[int, ...], None] = {}
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if ids:
-                found[ids] = None
-    return tuple(found)
-
-
-def _cache_salt(prompt: PromptInput) -> str | None:
-    """A prompt dict's ``cache_salt`` (vLLM's name): requests with different salts never
-    share prefix-cache blocks."""
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
-    return salt
-
-
-def _check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
-    if not isinstance(token_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-    ):
-        raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        # vLLM's wording ("Token id N is out of vocabulary"), plus the size.
-        raise InvalidRequestError(
-            f"Token id {bad[0]} is out of vocabulary (the prompt's token ids must be below "
-            f"the vocabulary size, {vocab_size})",
-            "prompt",
-        )
-    return list(token_ids)

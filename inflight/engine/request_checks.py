@@ -1,0 +1,76 @@
+"""Checks of one request's values against the model (the vocabulary, ``max_logprobs``)
+and small derivations from its prompt, made by ``LLMEngine.add_request`` before anything
+changes. ``SamplingParams`` checks what needs no model; these need the tokenizer or the
+vocabulary size. Errors are :class:`InvalidRequestError` naming the field, worded as vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from inflight.sampling_params import InvalidRequestError, SamplingParams
+
+
+def check_in_vocab(token_ids: Iterable[int], vocab_size: int, field: str) -> None:
+    """vLLM's wording for out-of-vocabulary ids in a sampling field."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token_id(s) {bad} in {field} contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            field,
+        )
+
+
+def check_token_options(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+    """Token ids in stop_token_ids / logit_bias / allowed_token_ids within the vocabulary;
+    logprobs within the engine's ``max_logprobs``."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise InvalidRequestError(
+                f"Requested {name} of {value}, which is greater than max allowed: {max_logprobs}",
+                name,
+            )
+    check_in_vocab(params.stop_token_ids or [], vocab_size, "stop_token_ids")
+    check_in_vocab(params.logit_bias or {}, vocab_size, "logit_bias")
+    check_in_vocab(params.allowed_token_ids or [], vocab_size, "allowed_token_ids")
+
+
+def check_prompt_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
+    """A prompt given as token ids: a list of ints, each below the vocabulary size."""
+    if not isinstance(token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+    ):
+        raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        # vLLM's wording ("Token id N is out of vocabulary"), plus the size.
+        raise InvalidRequestError(
+            f"Token id {bad[0]} is out of vocabulary (the prompt's token ids must be below "
+            f"the vocabulary size, {vocab_size})",
+            "prompt",
+        )
+    return list(token_ids)
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as written and with a leading space (how it is spelled
+    after another word), as vLLM; duplicates dropped."""
+    found: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                found[ids] = None
+    return tuple(found)
+
+
+def cache_salt_of(prompt: Any) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's name): requests with different salts never
+    share prefix-cache blocks."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
