@@ -163,14 +163,7 @@ def chat_options(**fields: Any) -> ChatOptions:
 
 
 def _with_template(options: ChatOptions, template: str) -> ChatOptions:
-    return ChatOptions(
-        chat_template=template,
-        add_generation_prompt=options.add_generation_prompt,
-        continue_final_message=options.continue_final_message,
-        add_special_tokens=options.add_special_tokens,
-        chat_template_kwargs=options.chat_template_kwargs,
-        documents=options.documents,
-    )
+    return replace(options, chat_template=template)
 
 
 @dataclass(slots=True)
