@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Server against server: start one engine's OpenAI server, drive it with
+# `inflight bench serve` on one workload, save the report and the server's prefix-cache
+# counters, stop the server. Run it once per engine (and per setting) back to back.
+#
+# usage: serve_compare.sh ENGINE OUT_DIR -- [inflight bench serve options...]
+#   ENGINE: inflight | inflight-no-prefix | vllm | vllm-no-prefix
+# Result: OUT_DIR/ENGINE.json (bench serve's report), OUT_DIR/ENGINE.metrics (the server's
+# /metrics after the run), OUT_DIR/ENGINE.server.log.
+# Environment (optional):
+#   PEERS_DIR     holds venv-vllm and smollm2-135m-instruct (see README.md next to this)
+#   INFLIGHT_DIR  this checkout (default: two levels above this script)
+#   PORT          (default 8011)
+#   BENCH_LOCK    lock file for timed runs (default /tmp/bench.lock)
+#   SERVER_ARGS   extra server flags
+set -euo pipefail
+if [ $# -lt 2 ]; then
+  echo "usage: $0 ENGINE OUT_DIR -- [bench serve options]" >&2
+  exit 2
+fi
+ENGINE=$1
+OUT_DIR=$2
+shift 2
+[ "${1:-}" = "--" ] && shift
+HERE=$(cd "$(dirname "$0")" && pwd)
+INFLIGHT_DIR=${INFLIGHT_DIR:-$(cd "$HERE/../.." && pwd)}
+PORT=${PORT:-8011}
+LOCK=${BENCH_LOCK:-/tmp/bench.lock}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+
+case $ENGINE in
+  inflight|inflight-no-prefix)
+    flags=(--dtype bfloat16 --host 127.0.0.1 --port "$PORT")
+    [ "$ENGINE" = inflight-no-prefix ] && flags+=(--no-enable-prefix-caching)
+    cmd=("$INFLIGHT_DIR/.venv/bin/inflight" serve "${flags[@]}")
+    ;;
+  vllm|vllm-no-prefix)
+    : "${PEERS_DIR:?set PEERS_DIR (venv-vllm, smollm2-135m-instruct)}"
+    flags=(--model "$PEERS_DIR/smollm2-135m-instruct" --served-model-name SmolLM2-135M-Instruct
+           --dtype bfloat16 --host 127.0.0.1 --port "$PORT")
+    [ "$ENGINE" = vllm-no-prefix ] && flags+=(--no-enable-prefix-caching)
+    # Both cores for its OpenMP threads (its default keeps one for the scheduler), 4 GiB KV.
+    export VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4
+    cmd=("$PEERS_DIR/venv-vllm/bin/python" -m vllm.entrypoints.openai.api_server "${flags[@]}")
+    ;;
+  *) echo "unknown engine $ENGINE" >&2; exit 2 ;;
+esac
+
+# shellcheck disable=SC2206
+cmd+=(${SERVER_ARGS:-})
+echo "== $ENGINE: ${cmd[*]}" >&2
+"${cmd[@]}" > "$OUT_DIR/$ENGINE.server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+started=$(date +%s)
+until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
+  kill -0 $server 2>/dev/null || { echo "$ENGINE server died; see $OUT_DIR/$ENGINE.server.log" >&2; exit 1; }
+  sleep 2
+done
+echo "== $ENGINE ready after $(( $(date +%s) - started )) s" >&2
+"$INFLIGHT_DIR/.venv/bin/inflight" bench serve --port "$PORT" --bench-lock "$LOCK" \
+  --label "$ENGINE" --result-json "$OUT_DIR/$ENGINE.json" --disable-tqdm "$@"
+curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/$ENGINE.metrics" || true
+grep -E '^(vllm|inflight):prefix_cache_(queries|hits)_total|^(vllm|inflight):prompt_tokens_total' \
+  "$OUT_DIR/$ENGINE.metrics" >&2 || true
