@@ -25,7 +25,7 @@ from server_harness import CHAT_TEMPLATE, ServerProcess
 
 from helpers.step_gate import StepGate
 
-HUGE_WORDS = 150_000  # ~1 MB of JSON per request; about half a second to tokenise
+HUGE_WORDS = 150_000  # ~1 MB of JSON per request; ~0.4 s to tokenise
 NUM_HUGE = 20
 ABANDONED = 200
 
@@ -127,7 +127,7 @@ def test_health_and_metrics_answer_while_huge_prompts_are_tokenised(
         assert error["param"] in ("prompt", "messages")
         assert "maximum context length" in error["message"] or "tokens" in error["message"]
     assert streamed == alone  # the running stream kept flowing and was not disturbed
-    # Tokenising one prompt takes ~0.5 s, 20 of them ~8 s: on the loop, most polls would
+    # Tokenising one prompt takes ~0.4 s, 20 of them ~8 s: on the loop, most polls would
     # wait for one. Off it, a poll waits only for GIL turns. The median is the spec's
     # 100 ms; the max is looser (0.5 s) because a busy 2-core box can deschedule the
     # server process itself for a while, which no design of ours can prevent.
