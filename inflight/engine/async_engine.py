@@ -48,6 +48,7 @@ from inflight.engine.request_stream import (
     RequestDelta,
     RequestFailedError,
     RequestStream,
+    StreamLimits,
 )
 from inflight.metrics.stats import (
     EngineStats,
@@ -145,6 +146,8 @@ class AsyncLLMEngine:
         self._cache_config_info = _cache_config_info(engine)
         self._num_steps = 0
         self._stats = EngineStats()
+        # How far a stream's reader may fall behind before its request is dropped.
+        self.stream_limits = StreamLimits()
         self._publish_stats()  # every family is there before the first request
 
     @classmethod
@@ -225,7 +228,7 @@ class AsyncLLMEngine:
         loop = self._loop
         if loop is None:
             raise RuntimeError("call start() before add_request()")
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, self.stream_limits)
         accepted: asyncio.Future[None] = loop.create_future()
         command = _Add(
             request_id,

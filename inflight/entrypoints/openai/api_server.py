@@ -54,6 +54,7 @@ from inflight.entrypoints.openai.serving import (
     ServerConfig,
     ServerState,
     json_response,
+    off_loop,
     parse_body,
 )
 from inflight.entrypoints.openai.serving_chat import (
@@ -154,28 +155,32 @@ def _service_router(state: ServerState, version: str) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
         request = await parse_body(raw, TokenizeRequest)
-        return json_response(tokenize_request(state, request))
+        return json_response(await off_loop(tokenize_request, state, request))
 
     @router.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
         request = await parse_body(raw, DetokenizeRequest)
         state.resolve_model(request.model)
-        vocab_size = state.engine.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise bad_request(
-                f"Token id(s) {bad[:5]} are outside the vocabulary (size {vocab_size}).",
-                "tokens",
-            )
-        return json_response(
-            DetokenizeResponse(prompt=state.engine.tokenizer.decode(request.tokens))
-        )
+        return json_response(await off_loop(detokenize_request, state, request))
 
     return router
 
 
+def detokenize_request(state: ServerState, request: DetokenizeRequest) -> DetokenizeResponse:
+    """vLLM's /detokenize; ids outside the vocabulary are a 400 (runs off the loop)."""
+    vocab_size = state.engine.vocab_size
+    bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(
+            f"Token id(s) {bad[:5]} are outside the vocabulary (size {vocab_size}).",
+            "tokens",
+        )
+    return DetokenizeResponse(prompt=state.engine.tokenizer.decode(request.tokens))
+
+
 def tokenize_request(state: ServerState, request: TokenizeRequest) -> TokenizeResponse:
-    """vLLM's /tokenize: a prompt, or messages rendered as the chat endpoint renders them."""
+    """vLLM's /tokenize: a prompt, or messages rendered as the chat endpoint renders them
+    (runs off the event loop: its cost grows with the input)."""
     state.resolve_model(request.model)
     log_unknown_fields(request, "/tokenize")
     refuse_unsupported(request, TOKENIZE_FIELDS)

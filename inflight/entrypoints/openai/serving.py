@@ -1,23 +1,34 @@
 """What every generation route shares: server state, body parsing, adding requests to the
 engine, server-sent events, merging several requests' streams, and client disconnects.
 
-Disconnects: a streaming response is cancelled by Starlette when the client goes away; a
-non-streaming one is raced against the connection here (:func:`until_disconnect`). Either
-way the cancellation reaches a ``finally: stream.close()``, which aborts the engine
-request and frees its KV blocks before the engine's next step.
+Disconnects: from the moment its body is read, a request's handling (tokenising, adding
+to the engine, and for a non-streaming request the whole generation) is raced against the
+connection (:func:`until_disconnect`), so a client that gives up while its request waits
+has it aborted before it is computed. A streaming response is then cancelled by
+Starlette when the client goes away, and :class:`EngineStreamingResponse` closes its
+streams however it ends. Closing a stream aborts the engine request and frees its KV
+blocks before the engine's next step.
+
+The event loop never blocks on big inputs: parsing a large body, tokenising, rendering
+chat templates and detokenising run on :data:`TOKENIZER_EXECUTOR` (:func:`off_loop`), so
+``/health``, ``/metrics`` and other streams keep answering while they run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from inflight.engine.async_engine import AsyncLLMEngine
 from inflight.engine.request_stream import (
@@ -25,8 +36,10 @@ from inflight.engine.request_stream import (
     EngineShutdownError,
     RequestDelta,
     RequestStream,
+    StreamDroppedError,
 )
 from inflight.entrypoints.openai.errors import (
+    INVALID_REQUEST,
     SERVER_ERROR,
     OpenAIError,
     from_engine_error,
@@ -37,6 +50,26 @@ from inflight.outputs import PromptLogprobs, SampleLogprobs
 from inflight.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+P = ParamSpec("P")
+
+# One worker, as vLLM's tokenizer executor: big inputs queue behind each other instead of
+# several threads competing with the event loop for the GIL (and for two cores).
+TOKENIZER_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-tokenizer")
+# Bodies above this are parsed off the loop; below it a thread hop costs more than parsing.
+OFF_LOOP_BODY_BYTES = 64 * 1024
+# Deltas buffered between several prompts' streams and their one SSE response. Bounded,
+# so a response that cannot send leaves the deltas in the streams, whose limits drop it.
+MERGED_QUEUE_SIZE = 256
+
+
+async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args, **kwargs)`` on :data:`TOKENIZER_EXECUTOR`; its exceptions propagate.
+
+    For work whose cost grows with the input (tokenising, chat templates, detokenising).
+    Cancelling the caller abandons the result; the call itself runs to its end."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(TOKENIZER_EXECUTOR, functools.partial(fn, *args, **kwargs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +107,11 @@ class ServerState:
 
 
 async def parse_body(raw: Request, model: type[M]) -> M:
+    body = await raw.body()
     try:
-        return model.model_validate_json(await raw.body())
+        if len(body) > OFF_LOOP_BODY_BYTES:
+            return await off_loop(model.model_validate_json, body)
+        return model.model_validate_json(body)
     except ValidationError as error:
         raise from_validation_error(error) from None
 
@@ -200,15 +236,17 @@ async def merge_streams(
         async for delta in streams[0]:
             yield 0, delta
         return
-    merged: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+    merged: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue(
+        MERGED_QUEUE_SIZE
+    )
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for delta in stream:
-                merged.put_nowait((index, delta))
+                await merged.put((index, delta))
         except Exception as error:
-            merged.put_nowait((index, error))
-        merged.put_nowait((index, None))
+            await merged.put((index, error))
+        await merged.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -233,6 +271,31 @@ def sse(body: BaseModel | dict[str, Any]) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """Server-sent events from engine streams, closed (their requests aborted if still
+    running) however the response ends: its end, a disconnect, a cancellation, an error,
+    or a disconnect noticed before the event generator ever started (whose ``finally``
+    would then never run)."""
+
+    def __init__(self, events: AsyncIterable[str], streams: Sequence[RequestStream]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._streams = list(streams)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.close()
+
+
+def stream_error_event(error: EngineDeadError | StreamDroppedError) -> str:
+    """The in-band error event that ends a stream whose status line went out long ago."""
+    if isinstance(error, StreamDroppedError):
+        return sse(OpenAIError(408, str(error), INVALID_REQUEST, code="stream_dropped").body())
+    return sse(engine_failure(error).body())
 
 
 def _dumps(body: dict[str, Any]) -> str:

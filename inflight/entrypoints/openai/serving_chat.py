@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 
-from inflight.engine.request_stream import EngineDeadError, RequestStream
+from inflight.engine.request_stream import EngineDeadError, RequestStream, StreamDroppedError
 from inflight.entrypoints.chat_utils import ChatOptions, RenderedChat, render_chat
 from inflight.entrypoints.openai.errors import bad_request
 from inflight.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_body
@@ -46,14 +45,16 @@ from inflight.entrypoints.openai.protocol import (
 )
 from inflight.entrypoints.openai.serving import (
     SSE_DONE,
-    SSE_HEADERS,
+    EngineStreamingResponse,
     ServerState,
     add_requests,
     collect,
     engine_failure,
     json_response,
+    off_loop,
     parse_body,
     sse,
+    stream_error_event,
     until_disconnect,
 )
 from inflight.entrypoints.openai.structured import structured_outputs_of
@@ -74,6 +75,13 @@ from inflight.outputs import SampleLogprobs
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     arrival_time = time.monotonic()
     request = await parse_body(raw, ChatCompletionRequest)
+    # From here on a client that goes away aborts whatever its request got to.
+    return await until_disconnect(raw, _serve(state, request, arrival_time))
+
+
+async def _serve(
+    state: ServerState, request: ChatCompletionRequest, arrival_time: float
+) -> Response:
     model = state.resolve_model(request.model)
     check_supported(request)
     tools = parse_tools(request.tools)
@@ -87,27 +95,22 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
                 "tool_choice",
             )
         constraint = tool_constraint(tools, tool_choice)
-    rendered = render_messages(
-        state,
-        request.messages,
-        chat_options(
-            chat_template=request.chat_template,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            add_special_tokens=request.add_special_tokens,
-            chat_template_kwargs=request.chat_template_kwargs,
-            documents=request.documents,
-        ),
-        tools,
+    options = chat_options(
+        chat_template=request.chat_template,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        add_special_tokens=request.add_special_tokens,
+        chat_template_kwargs=request.chat_template_kwargs,
+        documents=request.documents,
     )
-    max_model_len = state.engine.max_model_len
-    token_ids = truncate_prompt(rendered.prompt_token_ids, request, max_model_len)
-    check_prompt_ids(token_ids, state.engine.vocab_size, "messages")
+    rendered, token_ids = await off_loop(_prepare_prompt, state, request, options, tools)
     max_tokens = max_tokens_of(request)
     max_tokens_param = (
         "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     )
-    check_length(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_param)
+    check_length(
+        len(token_ids), max_tokens, state.engine.max_model_len, "messages", max_tokens_param
+    )
     params = sampling_params(request, max_tokens, constraint)
     request_id = f"chatcmpl-{request.request_id}"
     (stream,) = await add_requests(
@@ -125,8 +128,21 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     reply.decode = lambda token_id: str(tokenizer.decode([token_id]))
     if request.stream:
         events = _stream(reply, stream, request.include_usage, request.continuous_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    return await until_disconnect(raw, _complete(reply, stream))
+        return EngineStreamingResponse(events, [stream])
+    return await _complete(reply, stream)
+
+
+def _prepare_prompt(
+    state: ServerState,
+    request: ChatCompletionRequest,
+    options: ChatOptions,
+    tools: Sequence[FunctionTool],
+) -> tuple[RenderedChat, list[int]]:
+    """The rendered chat and its token ids, truncated and checked (runs off the loop)."""
+    rendered = render_messages(state, request.messages, options, tools)
+    token_ids = truncate_prompt(rendered.prompt_token_ids, request, state.engine.max_model_len)
+    check_prompt_ids(token_ids, state.engine.vocab_size, "messages")
+    return rendered, token_ids
 
 
 def render_messages(
@@ -359,8 +375,8 @@ async def _stream(
                     usage=usage(),
                 )
             )
-    except EngineDeadError as error:
-        yield sse(engine_failure(error).body())
+    except (EngineDeadError, StreamDroppedError) as error:
+        yield stream_error_event(error)
     finally:
         stream.close()
     yield SSE_DONE

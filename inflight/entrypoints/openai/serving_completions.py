@@ -16,9 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 
-from inflight.engine.request_stream import EngineDeadError, RequestDelta, RequestStream
+from inflight.engine.request_stream import (
+    EngineDeadError,
+    RequestDelta,
+    RequestStream,
+    StreamDroppedError,
+)
 from inflight.entrypoints.openai.errors import bad_request
 from inflight.entrypoints.openai.logprobs import (
     CompletionLogprobsBuilder,
@@ -42,17 +46,19 @@ from inflight.entrypoints.openai.protocol import (
 )
 from inflight.entrypoints.openai.serving import (
     SSE_DONE,
-    SSE_HEADERS,
     Collected,
     Completion,
+    EngineStreamingResponse,
     ServerState,
     add_requests,
     collect,
     engine_failure,
     json_response,
     merge_streams,
+    off_loop,
     parse_body,
     sse,
+    stream_error_event,
     until_disconnect,
 )
 from inflight.entrypoints.openai.structured import structured_outputs_of
@@ -64,9 +70,14 @@ Prompt = tuple[str | None, list[int]]
 async def create_completion(state: ServerState, raw: Request) -> Response:
     arrival_time = time.monotonic()
     request = await parse_body(raw, CompletionRequest)
+    # From here on a client that goes away aborts whatever its request got to.
+    return await until_disconnect(raw, _serve(state, request, arrival_time))
+
+
+async def _serve(state: ServerState, request: CompletionRequest, arrival_time: float) -> Response:
     model = state.resolve_model(request.model)
     check_supported(request)
-    prompts = [_checked(state, request, p) for p in _tokenize(state, request)]
+    prompts = await off_loop(_prepare_prompts, state, request)
     constraint = structured_outputs_of(request.response_format, request.structured_outputs)
     params = sampling_params(request, request.max_tokens, constraint)
     request_id = f"cmpl-{request.request_id}"
@@ -79,12 +90,18 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         arrival_time,
         request.cache_salt,
     )
+    try:
+        echoes = await off_loop(_echoes, state, prompts) if request.echo else [""] * len(prompts)
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
     tokenizer = state.engine.tokenizer
     reply = _Reply(
         request_id=request_id,
         model=model,
         n=params.n,
-        echoes=[_echo_text(state, p) if request.echo else "" for p in prompts],
+        echoes=echoes,
         prompt_ids=[ids for _, ids in prompts],
         return_token_ids=bool(request.return_token_ids),
         logprobs=request.logprobs is not None,
@@ -93,9 +110,18 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
     )
     if request.stream:
         usage = _StreamUsage(request.include_usage, request.continuous_usage)
-        events = _stream(reply, streams, usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    return await until_disconnect(raw, _complete(reply, streams))
+        return EngineStreamingResponse(_stream(reply, streams, usage), streams)
+    return await _complete(reply, streams)
+
+
+def _prepare_prompts(state: ServerState, request: CompletionRequest) -> list[Prompt]:
+    """Tokenised, truncated and checked prompts (runs off the event loop)."""
+    return [_checked(state, request, p) for p in _tokenize(state, request)]
+
+
+def _echoes(state: ServerState, prompts: list[Prompt]) -> list[str]:
+    """Per prompt: its text, for ``echo`` (runs off the event loop)."""
+    return [_echo_text(state, p) for p in prompts]
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,9 +330,9 @@ async def _stream(
                     usage=state.totals(),
                 )
             )
-    except EngineDeadError as error:
+    except (EngineDeadError, StreamDroppedError) as error:
         # The status line went out long ago: report the failure in-band, then end.
-        yield sse(engine_failure(error).body())
+        yield stream_error_event(error)
     finally:
         for stream in streams:
             stream.close()
