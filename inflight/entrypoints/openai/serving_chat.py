@@ -119,6 +119,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         arrival_time,
         request.cache_salt,
         logprobs_param="top_logprobs",
+        request_timeout=request.request_timeout,
     )
     tokenizer = state.engine.tokenizer
     reply = _reply(request, request_id, model, rendered, token_ids, params.n, tools, tool_choice)

@@ -78,6 +78,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         request.priority,
         arrival_time,
         request.cache_salt,
+        request_timeout=request.request_timeout,
     )
     tokenizer = state.engine.tokenizer
     reply = _Reply(
