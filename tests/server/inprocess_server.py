@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from server_harness import free_port
@@ -20,8 +21,11 @@ from inflight.entrypoints.openai.serving import ServerConfig
 
 
 class InProcessServer:
-    def __init__(self, model_dir: Path, *, api_key: str | None = None, grace_s: float = 30.0):
-        self.async_engine = AsyncLLMEngine.from_options(str(model_dir))
+    def __init__(
+        self, model_dir: Path, *, api_key: str | None = None, grace_s: float = 30.0,
+        **engine_options: Any,
+    ):
+        self.async_engine = AsyncLLMEngine.from_options(str(model_dir), **engine_options)
         app = build_app(
             self.async_engine, ServerConfig(served_model_names=("tiny",), api_key=api_key)
         )
