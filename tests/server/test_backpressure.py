@@ -237,3 +237,40 @@ def test_server_default_timeout_and_invalid_field(tiny_llama_dir: Path) -> None:
         assert_engine_clean(server)
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- offline
+
+
+def test_offline_add_request_raises_at_the_limit_and_generate_feeds_as_room_frees(
+    tiny_llama_dir: Path,
+) -> None:
+    from inflight import LLM, SamplingParams
+    from inflight.engine.llm_engine import EngineOverloadedError
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [i + 3, i + 9, i + 20]} for i in range(7)]
+    reference = [o.outputs[0].token_ids
+                 for o in LLM(str(tiny_llama_dir)).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=2, max_waiting_requests=2)
+    engine = llm.llm_engine
+    engine.add_request("a", prompts[0], params)
+    engine.add_request("b", prompts[1], params)
+    with pytest.raises(EngineOverloadedError, match="2 requests are waiting and "
+                       "max_waiting_requests is 2"):
+        engine.add_request("c", prompts[2], params)
+    assert "c" not in engine.scheduler.requests and engine.scheduler.num_waiting == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    # generate with more prompts than the limit: fed as room frees, never refused.
+    waiting_seen: list[int] = []
+    step = engine.step
+
+    def watched_step() -> Any:
+        waiting_seen.append(engine.scheduler.num_waiting)
+        return step()
+
+    engine.step = watched_step  # type: ignore[method-assign]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert max(waiting_seen) == 2  # the limit was reached and never passed
