@@ -136,9 +136,17 @@ class EngineConfig:
     record_trace: bool = False
     # The largest logprobs / prompt_logprobs a request may ask for (vLLM's default 20).
     max_logprobs: int = 20
+    # Backpressure: with this many requests waiting (queued or preempted, not running),
+    # add_request refuses a new one at once (EngineOverloadedError). None: unbounded.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        _require(
+            self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+            f"max_waiting_requests must be >= 1 (or None: unbounded), "
+            f"got {self.max_waiting_requests}",
+        )
 
 
 def make_engine_config(
@@ -161,6 +169,7 @@ def make_engine_config(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     max_logprobs: int = 20,
+    max_waiting_requests: int | None = None,
 ) -> EngineConfig:
     """vLLM-style keyword options -> a validated :class:`EngineConfig`.
 
@@ -187,4 +196,5 @@ def make_engine_config(
         ),
         record_trace=record_trace,
         max_logprobs=max_logprobs,
+        max_waiting_requests=max_waiting_requests,
     )

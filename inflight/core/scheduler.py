@@ -5,8 +5,12 @@ Each call to :meth:`Scheduler.schedule` plans one step under a token budget:
 1. serve running requests first, each advancing ``num_computed_tokens`` toward its token
    count (a decode is one token, a prompt may be a chunk of many);
 2. when the KV pool cannot grow a request's block table, preempt the lowest-priority,
-   most recently admitted running request (free its blocks, back to the head of
-   ``waiting``, recomputed later);
+   latest-arriving running request (free its blocks, back to the head of ``waiting``,
+   recomputed later). Arrival is the order requests were added (the FCFS queue's
+   order), not the order they were last admitted: a request resumed after a preemption
+   is re-admitted at the end of ``running`` but keeps its place, so the oldest request
+   is never the victim while another runs and always progresses (no livelock of a
+   resumed request preempted again before it gains a token);
 3. only if nothing was preempted and budget remains, admit waiting requests, each
    starting after the longest prefix of its tokens already in the KV cache (prefix
    caching, owned by :class:`KVCacheManager`), so only the rest costs budget.
@@ -59,6 +63,9 @@ class Scheduler:
         self.slots = SlotTable(config.max_num_seqs)
         self.batching = make_batching_policy(config.batching, self.slots)
         self.num_preemptions = 0
+        # Request id -> the order it was added in: the victim order (see _pick_victim).
+        self._arrival_order: dict[str, int] = {}
+        self._num_added = 0
         self._step_id = 0
         self._ended_since_last_step: list[str] = []
 
@@ -74,6 +81,8 @@ class Scheduler:
         request.max_model_len = min(request.max_model_len, self.config.max_model_len, capacity)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._arrival_order[request.request_id] = self._num_added
+        self._num_added += 1
         self.waiting.add(request)
 
     def check_admissible(self, request: Request) -> None:
@@ -245,14 +254,18 @@ class Scheduler:
         )
 
     def _pick_victim(self) -> Request:
-        """Lowest priority first (largest value), then the most recently admitted."""
+        """The running request the waiting queue would serve last: under FCFS the latest
+        added; under priority the lowest priority (largest value), then the latest arrival.
+
+        Not ``running[-1]`` (the latest *admitted*): a resumed request is appended there,
+        so it would be preempted again and again before making progress."""
+        order = self._arrival_order
         if self.config.scheduling_policy == "priority":
-            worst = max(
-                range(len(self.running)),
-                key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i),
+            return max(
+                self.running,
+                key=lambda r: (r.priority, r.arrival_time, order[r.request_id]),
             )
-            return self.running[worst]
-        return self.running[-1]
+        return max(self.running, key=lambda r: order[r.request_id])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -333,6 +346,7 @@ class Scheduler:
         self.batching.on_left(request, finished=True)
         self._ended_since_last_step.append(request.request_id)
         del self.requests[request.request_id]
+        del self._arrival_order[request.request_id]
 
     # ------------------------------------------------------------------ checks
 

@@ -25,12 +25,29 @@ Invariants:
   delivered to its stream; aborting frees its KV blocks before the next step.
 * Deltas and acceptance replies travel through ``call_soon_threadsafe`` in order, so a
   stream sees "accepted" before its first delta.
+
+Load and faults:
+
+* Backpressure: ``max_waiting_requests`` is enforced by ``LLMEngine.add_request`` on the
+  engine thread, so concurrent adds can never push the queue past it; a refused add
+  raises :class:`EngineOverloadedError` to its caller (counted, reason ``queue_full``).
+* Deadlines: a request with a timeout (its own, or the engine's ``request_timeout``)
+  that has not finished by arrival + timeout is aborted on the engine thread before the
+  next step (its blocks freed) and its stream gets :class:`RequestTimeoutError`. Expired
+  requests are found through a heap of deadlines checked every iteration; an idle
+  thread waits on the command queue no longer than the earliest deadline.
+* Health: a step that raises fails the requests in flight and the engine goes on;
+  ``max_consecutive_step_failures`` failing steps in a row (a successful step resets
+  the count) mark the engine unhealthy for good: ``is_healthy`` turns false (``/health``
+  answers 503, so an orchestrator restarts the process) and new requests are refused
+  with :class:`EngineDeadError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import logging
 import queue
 import threading
@@ -40,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.core.request import Request, RequestStatus
-from inflight.engine.llm_engine import LLMEngine, PromptInput
+from inflight.engine.llm_engine import EngineOverloadedError, LLMEngine, PromptInput
 from inflight.engine.loop_delivery import Outbox, deliver_on_loop
 from inflight.engine.request_stream import (
     EngineDeadError,
@@ -63,6 +80,23 @@ from inflight.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Failing steps in a row after which the engine is marked unhealthy.
+DEFAULT_MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class RequestTimeoutError(EngineDeadError):
+    """The request did not finish within its deadline and was aborted (the server
+    answers 504, or ends the stream with an error event). A subclass of
+    :class:`EngineDeadError` so that every caller that reports a failed request reports
+    this too."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"the request did not finish within its timeout of {timeout_s:g} s and was "
+            "aborted (request_timeout)"
+        )
+        self.timeout_s = timeout_s
+
 
 # ---------------------------------------------------------------------- commands
 
@@ -76,6 +110,7 @@ class _Add:
     arrival_time: float
     stream: RequestStream
     accepted: asyncio.Future[None]
+    timeout_s: float | None = None  # the request's deadline is arrival_time + timeout_s
 
 
 @dataclass(slots=True)
@@ -115,6 +150,7 @@ class _Live:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    timeout_s: float | None = None
 
     @property
     def sent_tokens(self) -> int:
@@ -131,8 +167,32 @@ class AsyncLLMEngine:
     ``stream = await add_request(...)`` and ``async for delta in stream``.
     """
 
-    def __init__(self, engine: LLMEngine, observers: Sequence[StatObserver] = ()) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        observers: Sequence[StatObserver] = (),
+        *,
+        request_timeout: float | None = None,
+        max_consecutive_step_failures: int = DEFAULT_MAX_CONSECUTIVE_STEP_FAILURES,
+    ) -> None:
+        """``request_timeout``: seconds a request may take from arrival to its end unless
+        it sets its own (None: no limit). ``max_consecutive_step_failures``: failing
+        steps in a row that mark the engine unhealthy."""
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+        if max_consecutive_step_failures < 1:
+            raise ValueError(
+                f"max_consecutive_step_failures must be >= 1, got {max_consecutive_step_failures}"
+            )
         self._engine = engine
+        self._request_timeout = request_timeout
+        self._max_step_failures = max_consecutive_step_failures
+        self._step_failures = 0  # failing steps in a row
+        self._unhealthy: str | None = None  # why, once marked unhealthy (never cleared)
+        self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped
+        self._clock = time.monotonic  # a test may replace it to move time forward
+        self._num_rejected_queue_full = 0
+        self._num_timeouts = 0
         self._observers: list[StatObserver] = list(observers)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _closed together with putting commands
@@ -151,8 +211,10 @@ class AsyncLLMEngine:
         self._publish_stats()  # every family is there before the first request
 
     @classmethod
-    def from_options(cls, model: str | None = None, **options: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_options(model, **options))
+    def from_options(
+        cls, model: str | None = None, *, request_timeout: float | None = None, **options: Any
+    ) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_options(model, **options), request_timeout=request_timeout)
 
     # ------------------------------------------------------------------ read-only facts
 
@@ -178,7 +240,21 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        return (
+            self._dead is None and self._unhealthy is None
+            and self._thread is not None and self._thread.is_alive()
+        )
+
+    @property
+    def health_error(self) -> str | None:
+        """Why the engine is not healthy (None while it is)."""
+        if self._unhealthy is not None:
+            return self._unhealthy
+        if self._dead is not None:
+            return f"The engine has stopped: {self._dead!r}"
+        if self._thread is None or not self._thread.is_alive():
+            return "The engine is not running."
+        return None
 
     def add_observer(self, observer: StatObserver) -> None:
         """Register before :meth:`start`; observers run on the engine thread."""
@@ -219,12 +295,21 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        request_timeout: float | None = None,
     ) -> RequestStream:
         """Queue a request for the next step and wait until the engine has accepted it.
 
+        ``request_timeout`` (seconds from ``arrival_time``, default the engine's) bounds
+        the request's life: past it the request is aborted and its stream raises
+        :class:`RequestTimeoutError`.
+
         Raises the engine's ``ValueError``/``TypeError`` for a request it rejects,
-        :class:`EngineShutdownError` while shutting down, :class:`EngineDeadError` if dead.
+        :class:`EngineOverloadedError` when ``max_waiting_requests`` wait already,
+        :class:`EngineShutdownError` while shutting down, :class:`EngineDeadError` if dead
+        or unhealthy.
         """
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
         loop = self._loop
         if loop is None:
             raise RuntimeError("call start() before add_request()")
@@ -238,10 +323,13 @@ class AsyncLLMEngine:
             arrival_time if arrival_time is not None else time.monotonic(),
             stream,
             accepted,
+            request_timeout if request_timeout is not None else self._request_timeout,
         )
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
+            if self._unhealthy is not None:
+                raise EngineDeadError(self._unhealthy)
             if self._closed:
                 raise EngineShutdownError("the server is shutting down")
             self._commands.put(command)
@@ -309,27 +397,57 @@ class AsyncLLMEngine:
         while True:
             outbox = Outbox()
             idle = not self._engine.has_unfinished_requests()
-            for command in self._next_commands(block=idle):
+            for command in self._next_commands(block=idle, timeout=self._until_deadline()):
                 if isinstance(command, _Shutdown):
                     self._abort_live(None, outbox)
                     self._publish_stats()
                     self._send(outbox)
                     return
                 self._apply(command, outbox)
+            if self._deadlines:
+                self._expire(outbox)
             if self._engine.has_unfinished_requests():
                 self._step(outbox)
             # Publish first: a client that has its final delta finds it in /metrics.
             self._publish_stats()
             self._send(outbox)
 
-    def _next_commands(self, block: bool) -> list[_Command]:
-        """Everything queued now; when idle, first wait (blocking) for one command."""
-        commands: list[_Command] = [self._commands.get()] if block else []
+    def _next_commands(self, block: bool, timeout: float | None = None) -> list[_Command]:
+        """Everything queued now; when idle, first wait for one command (at most
+        ``timeout`` seconds, so that a deadline is noticed)."""
+        commands: list[_Command] = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
+
+    def _until_deadline(self) -> float | None:
+        """Seconds until the earliest pending deadline (None: none pending)."""
+        if not self._deadlines:
+            return None
+        return max(0.0, self._deadlines[0][0] - self._clock())
+
+    def _expire(self, outbox: Outbox) -> None:
+        """Abort every request past its deadline (engine thread, between steps)."""
+        now = self._clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, request_id = heapq.heappop(self._deadlines)
+            live = self._live.get(request_id)
+            if live is None or live.timeout_s is None:
+                continue  # ended already: a stale entry
+            if live.arrival_time + live.timeout_s != deadline:
+                continue  # an id reused by a later request with its own deadline
+            logger.info("request %s timed out after %g s", request_id, live.timeout_s)
+            self._num_timeouts += 1
+            self._end(request_id, "abort", outbox, RequestTimeoutError(live.timeout_s))
+        if not self._live:
+            self._deadlines.clear()
 
     def _apply(self, command: _Add | _Abort | _ResetPrefixCache, outbox: Outbox) -> None:
         if isinstance(command, _Abort):
@@ -338,6 +456,9 @@ class AsyncLLMEngine:
         if isinstance(command, _ResetPrefixCache):
             command.result = self._engine.reset_prefix_cache()
             outbox.resolve(command.done, None)
+            return
+        if self._unhealthy is not None:  # queued before the engine was marked unhealthy
+            outbox.resolve(command.accepted, EngineDeadError(self._unhealthy))
             return
         try:
             self._engine.add_request(
@@ -351,6 +472,8 @@ class AsyncLLMEngine:
                 stream=True,
             )
         except Exception as error:  # the request's own fault: reply, change nothing
+            if isinstance(error, EngineOverloadedError):
+                self._num_rejected_queue_full += 1
             outbox.resolve(command.accepted, error)
             return
         request = self._engine.get_request(command.request_id)
@@ -363,7 +486,11 @@ class AsyncLLMEngine:
             arrival_time=command.arrival_time,
             holdback=max((len(s) for s in stops), default=1) - 1,
             n=n, sent_token_counts=[0] * n, sent_char_counts=[0] * n, ended=[False] * n,
+            timeout_s=command.timeout_s,
         )
+        if command.timeout_s is not None:
+            deadline = command.arrival_time + command.timeout_s
+            heapq.heappush(self._deadlines, (deadline, command.request_id))
         self._live[command.request_id] = live
         self._unscheduled[command.request_id] = live
         outbox.resolve(command.accepted, None)
@@ -379,7 +506,9 @@ class AsyncLLMEngine:
             failure = EngineDeadError(f"the engine failed during a step: {error!r}")
             for request_id in list(self._live):
                 self._end(request_id, "error", outbox, failure)
+            self._on_step_failure(error)
             return
+        self._step_failures = 0
         self._num_steps += 1
         if self._unscheduled:
             self._note_scheduled(started)
@@ -388,6 +517,16 @@ class AsyncLLMEngine:
             self._on_output(output, step, outbox)
         if step.num_generation_tokens:
             self._recorder.record_step(step)
+
+    def _on_step_failure(self, error: Exception) -> None:
+        """Count a failing step; too many in a row mark the engine unhealthy for good."""
+        self._step_failures += 1
+        if self._step_failures >= self._max_step_failures and self._unhealthy is None:
+            self._unhealthy = (
+                f"The engine is unhealthy: {self._step_failures} consecutive steps failed "
+                f"(last: {error!r}); restart the server."
+            )
+            logger.error("%s", self._unhealthy)
 
     def _note_scheduled(self, step_started: float) -> None:
         """Stamp the requests this step admitted: their queue time ends at its start."""
@@ -541,6 +680,8 @@ class AsyncLLMEngine:
             request_success=recorder.request_success,
             histograms=recorder.histogram_snapshots(),
             cache_config_info=self._cache_config_info,
+            num_rejected_queue_full_total=self._num_rejected_queue_full,
+            num_request_timeouts_total=self._num_timeouts,
         )
 
     def _die(self, error: BaseException) -> None:

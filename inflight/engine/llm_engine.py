@@ -76,6 +76,19 @@ logger = logging.getLogger(__name__)
 PromptInput = str | list[int] | dict[str, Any]
 
 
+class EngineOverloadedError(RuntimeError):
+    """``max_waiting_requests`` requests are waiting already: the new one is refused at
+    once, changing nothing (the server answers 503 with ``Retry-After``)."""
+
+    def __init__(self, num_waiting: int, max_waiting_requests: int) -> None:
+        super().__init__(
+            f"the engine is overloaded: {num_waiting} requests are waiting and "
+            f"max_waiting_requests is {max_waiting_requests}; retry later"
+        )
+        self.num_waiting = num_waiting
+        self.max_waiting_requests = max_waiting_requests
+
+
 @dataclass
 class _RequestState:
     """What the engine keeps per request beside the scheduler's ``Request``."""
@@ -244,9 +257,12 @@ class LLMEngine:
         self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
         *, arrival_time: float | None = None, priority: int = 0, stream: bool = False,
     ) -> None:
-        """Validate and queue a request; raises ValueError (changing nothing) if it is bad.
+        """Validate and queue a request; raises ValueError (changing nothing) if it is bad,
+        :class:`EngineOverloadedError` (changing nothing) if ``max_waiting_requests`` are
+        waiting already.
 
         ``params.n > 1`` fans out into n child requests (see the module docstring)."""
+        self.check_capacity()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -279,6 +295,21 @@ class LLMEngine:
         cache = self.config.cache
         if not cache.enable_prefix_caching or self.config.scheduler.batching != "continuous":
             self._add_children(parent)  # nothing to wait for: each computes the prompt
+
+    @property
+    def has_waiting_room(self) -> bool:
+        """Whether a new request would be accepted now (no limit, or below it)."""
+        limit = self.config.max_waiting_requests
+        return limit is None or self.scheduler.num_waiting < limit
+
+    def check_capacity(self) -> None:
+        """Raise :class:`EngineOverloadedError` when ``max_waiting_requests`` wait already.
+
+        Preempted requests count (they wait too); an ``n > 1`` request counts as one."""
+        if not self.has_waiting_room:
+            limit = self.config.max_waiting_requests
+            assert limit is not None
+            raise EngineOverloadedError(self.scheduler.num_waiting, limit)
 
     def _add_one(
         self, request_id: str, prompt: PromptInput, params: SamplingParams,

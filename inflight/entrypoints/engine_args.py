@@ -64,6 +64,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     )
     group.add_argument("--max-logprobs", type=int, default=20,
                        help="the most logprobs / prompt_logprobs / top_logprobs a request may ask for (default: 20)")
+    group.add_argument(
+        "--max-waiting-requests", type=int, default=None,
+        help="backpressure: refuse a new request at once (the server answers 503 with "
+        "Retry-After) while this many requests wait for a batch slot (default: unbounded)",
+    )
     group.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
                        help="waiting-queue order: fcfs, or priority (lower runs first)")
     group.add_argument("--batching", default="continuous", choices=list(BATCHING_MODES),
@@ -80,7 +85,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, batching=args.batching,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
     )
     if args.kv_cache_memory_bytes is not None:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,8 +24,10 @@ class LLM:
     wheel). Keyword options follow vLLM's engine arguments: ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
     ``kv_cache_memory_bytes``, ``enable_chunked_prefill``, ``scheduling_policy``, ``dtype``,
-    ``device``, ``seed``, plus ``batching="static"`` for the baseline and
-    ``record_trace=True`` to keep a :class:`StepTrace` of every step.
+    ``device``, ``seed``, ``max_waiting_requests`` (``generate`` then feeds its prompts as
+    room frees; :meth:`LLMEngine.add_request` refuses beyond it), plus
+    ``batching="static"`` for the baseline and ``record_trace=True`` to keep a
+    :class:`StepTrace` of every step.
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
@@ -94,31 +97,44 @@ class LLM:
         self, prompts: list[PromptInput], params: list[SamplingParams | None],
         priorities: list[int], use_tqdm: bool,
     ) -> list[RequestOutput]:
+        """Add every prompt and step until all are finished.
+
+        With ``max_waiting_requests`` set, prompts are fed as room frees (the engine's
+        limit refuses a request at once, but a batch call must not fail because of it);
+        without it, all are queued at once. A request the engine refuses as bad aborts
+        the ones already added and raises."""
         engine = self.llm_engine
-        # Validate everything first, so a bad prompt rejects the call before any work.
+        # Tokenize everything first, so a bad prompt rejects the call before any work.
         tokenized = [engine.tokenize_prompt(p) for p in prompts]
+        pending = deque(zip(prompts, tokenized, params, priorities, strict=True))
         ids: list[str] = []
-        try:
-            for original, (text, token_ids), p, prio in zip(
-                prompts, tokenized, params, priorities, strict=True
-            ):
-                request_id = engine.new_request_id()
-                prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
-                if isinstance(original, dict) and "cache_salt" in original:
-                    prompt["cache_salt"] = original["cache_salt"]
-                engine.add_request(request_id, prompt, p, priority=prio)
-                ids.append(request_id)
-        except Exception:
-            engine.abort_request(ids)
-            raise
+        wanted: set[str] = set()
+
+        def feed() -> None:
+            try:
+                while pending and engine.has_waiting_room:
+                    original, (text, token_ids), p, prio = pending.popleft()
+                    request_id = engine.new_request_id()
+                    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
+                    if isinstance(original, dict) and "cache_salt" in original:
+                        prompt["cache_salt"] = original["cache_salt"]
+                    engine.add_request(request_id, prompt, p, priority=prio)
+                    ids.append(request_id)
+                    wanted.add(request_id)
+            except Exception:
+                engine.abort_request(ids)
+                raise
+
+        feed()
         finished: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while len(finished) < len(ids):
+        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < len(prompts):
                 for output in engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         bar.update(1)
+                if pending:
+                    feed()
         return [finished[i] for i in ids]
 
 

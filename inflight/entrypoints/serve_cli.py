@@ -59,6 +59,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "SIGINT before they are aborted",
     )
     group.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take from arrival to its end; past it the request "
+        "is aborted and answered 504 (a stream ends with an error event). A request's "
+        "own 'request_timeout' field overrides it (default: no limit)",
+    )
+    group.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -97,7 +105,11 @@ def run(args: argparse.Namespace) -> int:
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
     )
-    engine = AsyncLLMEngine.from_options(args.model, **engine_options(args))
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise SystemExit(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    engine = AsyncLLMEngine.from_options(
+        args.model, request_timeout=args.request_timeout, **engine_options(args)
+    )
     return run_server(
         engine,
         config,

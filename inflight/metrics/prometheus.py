@@ -156,6 +156,23 @@ class _EngineStatsCollector(Collector):
             stats.generation_tokens_total,
         )
         yield self._counter("engine_steps", "Engine iterations run.", stats.num_steps_total)
+        yield self._request_rejected(stats)
+        yield self._counter(
+            "request_timeout",
+            "Requests aborted because they did not finish within their request_timeout.",
+            stats.num_request_timeouts_total,
+        )
+
+    def _request_rejected(self, stats: EngineStats) -> Metric:
+        names, values = self._labels
+        family = CounterMetricFamily(
+            PREFIX + "request_rejected",
+            "Requests refused at once by backpressure (reason queue_full: "
+            "max_waiting_requests were waiting).",
+            labels=[*names, "reason"],
+        )
+        family.add_metric([*values, "queue_full"], stats.num_rejected_queue_full_total)
+        return family
 
     def _request_success(self, stats: EngineStats) -> Metric:
         names, values = self._labels

@@ -150,6 +150,10 @@ class EngineStats:
     )
     # vLLM's cache_config_info labels (CacheConfig field names -> str(value)), fixed.
     cache_config_info: tuple[tuple[str, str], ...] = ()
+    # Requests refused at once because max_waiting_requests were waiting (backpressure).
+    num_rejected_queue_full_total: int = 0
+    # Requests aborted because they passed their deadline (request_timeout).
+    num_request_timeouts_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)

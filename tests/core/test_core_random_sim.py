@@ -77,23 +77,26 @@ def draw_spec(
     return spec
 
 
-def check_victims(record: StepRecord, policy: str, priority_of: dict[str, tuple]) -> None:
+def check_victims(
+    record: StepRecord, policy: str, priority_of: dict[str, tuple], added: dict[str, int]
+) -> None:
     preempted = record.output.preempted_request_ids
     if not preempted:
         return
     assert not record.admitted, "admitted a request in a step that preempted"
+    remaining = list(record.running_before)
+    for victim in preempted:
+        if policy == "fcfs":
+            # The latest-added running request (not the latest admitted: a resumed
+            # request must not be the next victim again) ...
+            expected = max(remaining, key=lambda rid: added[rid])
+        else:
+            expected = max(remaining, key=lambda rid: (*priority_of[rid], added[rid]))
+        assert victim == expected, f"preempted {victim}, expected {expected}"
+        remaining.remove(victim)
     if policy == "fcfs":
-        # The most recently admitted running requests, newest first ...
-        assert preempted == record.running_before[::-1][: len(preempted)]
-        # ... and back at the head of waiting, in their admission order.
+        # ... and back at the head of waiting, in the order they were added.
         assert record.waiting_after[: len(preempted)] == preempted[::-1]
-    else:
-        remaining = list(record.running_before)
-        for victim in preempted:
-            assert victim == max(remaining, key=lambda rid: priority_of[rid]), (
-                f"preempted {victim} but a lower-priority request was running"
-            )
-            remaining.remove(victim)
     for victim in preempted:
         assert victim not in {s.request_id for s in record.output.scheduled}
 
@@ -183,11 +186,15 @@ def run_trial(seed: int) -> DriveResult:
             target.setdefault(step, []).append(spec.request_id)
 
     priority_of = {s.request_id: (s.priority, s.arrival_time) for s in specs}
+    added = {
+        r.request_id: i
+        for i, r in enumerate(r for step in sorted(arrivals) for r in arrivals[step])
+    }
     tracker = StaticBatchTracker(config.max_num_seqs)
     ended: set[str] = set()
 
     def observe(step: int, sched: Scheduler, record: StepRecord) -> None:
-        check_victims(record, policy, priority_of)
+        check_victims(record, policy, priority_of, added)
         check_admission_order(record, config.batching)
         check_work_conserving(record, budget)
         if policy == "priority":

@@ -68,6 +68,8 @@ KEPT_FAMILIES = {
     "num_kv_blocks_used": ("gauge", ()),
     "num_kv_blocks_total": ("gauge", ()),
     "engine_steps": ("counter", ()),
+    "request_rejected": ("counter", ("reason",)),
+    "request_timeout": ("counter", ()),
 }
 # cache_config_info's labels are vLLM's CacheConfig field names; these are the ones we have.
 CACHE_CONFIG_LABELS = {

@@ -99,6 +99,7 @@ IMPLEMENTED_SHARED: dict[str, dict[str, Any]] = {
     "return_token_offsets": {"return_token_offsets": True},
     "return_mm_kwargs": {"return_mm_kwargs": False},
     "cache_salt": {"cache_salt": "salt"},
+    "request_timeout": {"request_timeout": 600.0},  # inflight's extension
     "n": {"n": 2},
     "presence_penalty": {"presence_penalty": 0.5},
     "frequency_penalty": {"frequency_penalty": 0.5},

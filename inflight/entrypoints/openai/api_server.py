@@ -128,7 +128,8 @@ def _service_router(state: ServerState, version: str) -> APIRouter:
     @router.get("/health")
     async def health() -> Response:
         if not state.engine.is_healthy:
-            raise OpenAIError(503, "The engine is not running.", SERVER_ERROR)
+            reason = state.engine.health_error or "The engine is not running."
+            raise OpenAIError(503, reason, SERVER_ERROR)
         return Response(status_code=200)
 
     @router.get("/metrics")

@@ -47,6 +47,7 @@ class OpenAIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -54,6 +55,7 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {
@@ -66,8 +68,30 @@ class OpenAIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+# Seconds a client refused by backpressure is told to wait (Retry-After): a request
+# slot frees within about a step, but one second keeps retry storms down.
+RETRY_AFTER_S = 1
+
+
+def overloaded(message: str) -> OpenAIError:
+    """Backpressure (max_waiting_requests): 503 with Retry-After, as OpenAI's overloaded
+    answer; the client should retry."""
+    return OpenAIError(
+        503, message, SERVER_ERROR, code="engine_overloaded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def request_timeout(message: str) -> OpenAIError:
+    """A request aborted at its deadline (request_timeout): 504, as a gateway that gave
+    up waiting (408 would mean the client was too slow to send its request)."""
+    return OpenAIError(504, message, SERVER_ERROR, param="request_timeout", code="request_timeout")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

@@ -91,6 +91,8 @@ class _GenerationFields(_Request):
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
     stream_interval: Annotated[int, Field(ge=1)] | None = None
+    # inflight's extension: seconds from arrival after which the request is aborted (504)
+    request_timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
     @property
     def include_usage(self) -> bool:

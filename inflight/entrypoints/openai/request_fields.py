@@ -126,6 +126,11 @@ _SHARED: dict[str, Treatment] = {
     "repetition_detection": Refused(f"repetition_detection is {_LATER}"),
     "thinking_token_budget": Refused(_NO_REASONING, equals(-1)),
     "stream_interval": Refused("only one token per streamed chunk is supported", equals(1)),
+    # inflight's own extension (in neither schema)
+    "request_timeout": Implemented(
+        "inflight: seconds (> 0) from arrival after which the request is aborted and "
+        "answered 504 (a stream ends with an error event); overrides --request-timeout"
+    ),
 }
 
 COMPLETION_FIELDS: dict[str, Treatment] = _SHARED | {

@@ -30,7 +30,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from inflight.engine.async_engine import AsyncLLMEngine
+from inflight.engine.async_engine import AsyncLLMEngine, RequestTimeoutError
+from inflight.engine.llm_engine import EngineOverloadedError
 from inflight.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
@@ -44,6 +45,8 @@ from inflight.entrypoints.openai.errors import (
     OpenAIError,
     from_engine_error,
     from_validation_error,
+    overloaded,
+    request_timeout,
 )
 from inflight.metrics.prometheus import PrometheusMetrics
 from inflight.outputs import PromptLogprobs, SampleLogprobs
@@ -121,7 +124,10 @@ def json_response(body: BaseModel) -> Response:
 
 
 def engine_failure(error: Exception) -> OpenAIError:
-    """An engine-side failure while a request was running is a 500, ours not the client's."""
+    """An engine-side failure while a request was running is a 500, ours not the client's;
+    a request that passed its deadline is a 504."""
+    if isinstance(error, RequestTimeoutError):
+        return request_timeout(f"The request timed out: {error}")
     return OpenAIError(500, f"The engine failed while serving this request: {error}", SERVER_ERROR)
 
 
@@ -134,6 +140,7 @@ async def add_requests(
     arrival_time: float,
     cache_salt: str | None = None,
     logprobs_param: str = "logprobs",
+    request_timeout: float | None = None,
 ) -> list[RequestStream]:
     """Add one engine request per prompt; all or none are kept.
 
@@ -152,6 +159,7 @@ async def add_requests(
                     params,
                     priority=priority,
                     arrival_time=arrival_time,
+                    request_timeout=request_timeout,
                 )
             )
     except BaseException as error:
@@ -159,6 +167,8 @@ async def add_requests(
             stream.close()
         if isinstance(error, EngineShutdownError):
             raise OpenAIError(503, "The server is shutting down.", SERVER_ERROR) from error
+        if isinstance(error, EngineOverloadedError):
+            raise overloaded(f"The server is overloaded: {error}") from error
         if isinstance(error, EngineDeadError):
             raise OpenAIError(503, str(error), SERVER_ERROR) from error
         if isinstance(error, (ValueError, TypeError)):

@@ -122,6 +122,7 @@ async def _serve(
         arrival_time,
         request.cache_salt,
         logprobs_param="top_logprobs",
+        request_timeout=request.request_timeout,
     )
     tokenizer = state.engine.tokenizer
     reply = _reply(request, request_id, model, rendered, token_ids, params.n, tools, tool_choice)

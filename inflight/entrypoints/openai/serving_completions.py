@@ -89,6 +89,7 @@ async def _serve(state: ServerState, request: CompletionRequest, arrival_time: f
         request.priority,
         arrival_time,
         request.cache_salt,
+        request_timeout=request.request_timeout,
     )
     try:
         echoes = await off_loop(_echoes, state, prompts) if request.echo else [""] * len(prompts)
