@@ -143,6 +143,13 @@ class Scheduler:
         self._finish(request, status)
         return request
 
+    def reset_counters(self) -> None:
+        """Start step ids and the preemption count again from zero (after a warm-up run);
+        only while no request is in flight."""
+        assert not self.has_unfinished_requests(), "reset_counters() needs an idle scheduler"
+        self._step_id = 0
+        self.num_preemptions = 0
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 

@@ -266,6 +266,13 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def warm_up(self) -> float:
+        """Pay the first forward passes' one-off costs now (see :meth:`LLMEngine.warm_up`);
+        call before :meth:`start`. Returns the seconds it took."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up() must run before start()")
+        return self._engine.warm_up()
+
     def start(self) -> None:
         """Bind to the running event loop and start the engine thread."""
         if self._thread is not None:

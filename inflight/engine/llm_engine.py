@@ -48,7 +48,7 @@ from inflight.core.interface import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from inflight.core.kv_cache_manager import KVCacheManager, cdiv
+from inflight.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from inflight.core.request import Request, RequestStatus
 from inflight.core.scheduler import Scheduler
 from inflight.engine.detokenizer import IncrementalDetokenizer
@@ -397,6 +397,33 @@ class LLMEngine:
         """Map all of the KV cache's memory now rather than as blocks are first used (CPU);
         safe to call from another thread while the engine steps. False if unsupported."""
         return self.runner.populate_kv_cache()
+
+    def warm_up(self, num_prompt_tokens: int = 256, num_decode_steps: int = 4) -> float:
+        """Run one throwaway request (a prompt of ``num_prompt_tokens``, then
+        ``num_decode_steps`` decodes) so the one-off costs of the first forward passes
+        (weight packing, kernel loading, first allocations: seconds on CPU) are paid before
+        a client's first request, as vLLM's start-up dummy run does; then forget it: its
+        cached blocks, the prefix-cache counters, the step trace and the timings are reset.
+        Call only while no request is in flight. Returns the seconds it took."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up() needs an idle engine")
+        started = time.monotonic()
+        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
+        num_decode_steps = max(1, num_decode_steps)
+        length = max(1, min(num_prompt_tokens, self.max_model_len - num_decode_steps - 1,
+                            capacity - num_decode_steps))
+        ids = [1 + i % (self.vocab_size - 1) for i in range(length)]
+        params = SamplingParams(temperature=0.0, max_tokens=num_decode_steps, ignore_eos=True)
+        self.add_request("inflight-warmup", {"prompt_token_ids": ids}, params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv_cache.reset_prefix_cache()
+        self.kv_cache.prefix_stats = PrefixCacheStats()
+        self.scheduler.reset_counters()
+        self.step_trace.clear()
+        self._trace_origin = time.monotonic()
+        self.timings.reset()
+        return time.monotonic() - started
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (nothing changed) while requests hold

@@ -70,6 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
+    group.add_argument(
+        "--no-warmup", action="store_true",
+        help="skip the start-up dummy request that pays the first forward passes' one-off "
+        "costs before the server reports ready",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -110,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_options(
         args.model, request_timeout=args.request_timeout, **engine_options(args)
     )
+    if not args.no_warmup:
+        # Before /health says ready, so the first clients do not pay for it (seconds on CPU).
+        logging.getLogger(__name__).info("warm-up run took %.1f s", engine.warm_up())
     return run_server(
         engine,
         config,
