@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -58,6 +59,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds requests in flight may take to finish after SIGTERM/"
         "SIGINT before they are aborted",
     )
+    dp = parser.add_argument_group("data parallel (vLLM's names)")
+    dp.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=1,
+        help="engine replicas behind the one endpoint (> 1 needs --data-parallel-backend ray)",
+    )
+    dp.add_argument(
+        "--data-parallel-backend", "-dpb", default=None, choices=["ray"],
+        help="ray: one replica per Ray actor, routed by least outstanding tokens with "
+        "prefix-cache affinity (needs pip install 'inflight[ray]')",
+    )
+    dp.add_argument(
+        "--data-parallel-address", "-dpa", default=None,
+        help="the Ray cluster to join (ray.init address, e.g. auto); default: start a "
+        "local one on loopback",
+    )
     group.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -82,11 +98,29 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
+def data_parallel(args: argparse.Namespace) -> bool:
+    """Whether to serve through Ray replicas; ValueError for a size without a backend."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.data_parallel_backend is None:
+        raise ValueError("--data-parallel-size > 1 needs --data-parallel-backend ray")
+    return args.data_parallel_backend == "ray"
+
+
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
     from inflight.engine.async_engine import AsyncLLMEngine
     from inflight.entrypoints.engine_args import engine_options
-    from inflight.entrypoints.openai.api_server import run_server
+    from inflight.entrypoints.openai.api_server import ServedEngine, run_server
     from inflight.entrypoints.openai.serving import ServerConfig
+
+    use_ray = data_parallel(args)
+    if use_ray and importlib.util.find_spec("ray") is None:
+        from inflight.distributed.client import RAY_MISSING
+
+        print(f"inflight: error: {RAY_MISSING}", file=sys.stderr)
+        return 2
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
@@ -97,7 +131,16 @@ def run(args: argparse.Namespace) -> int:
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
     )
-    engine = AsyncLLMEngine.from_options(args.model, **engine_options(args))
+    engine: ServedEngine
+    if use_ray:
+        from inflight.distributed.client import DataParallelConfig, DataParallelEngineClient
+
+        dp_config = DataParallelConfig(
+            data_parallel_size=args.data_parallel_size, address=args.data_parallel_address
+        )
+        engine = DataParallelEngineClient(args.model, engine_options(args), dp_config)
+    else:
+        engine = AsyncLLMEngine.from_options(args.model, **engine_options(args))
     return run_server(
         engine,
         config,

@@ -19,10 +19,11 @@ from typing import Any, TypeVar
 from fastapi import Request, Response
 from pydantic import BaseModel, ValidationError
 
-from inflight.engine.async_engine import AsyncLLMEngine
+from inflight.engine.protocol import EngineClient, MetricsExporter
 from inflight.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
+    EngineUnavailableError,
     RequestDelta,
     RequestStream,
 )
@@ -32,7 +33,6 @@ from inflight.entrypoints.openai.errors import (
     from_engine_error,
     from_validation_error,
 )
-from inflight.metrics.prometheus import PrometheusMetrics
 from inflight.outputs import PromptLogprobs, SampleLogprobs
 from inflight.sampling_params import SamplingParams
 
@@ -51,9 +51,9 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServerState:
-    engine: AsyncLLMEngine
+    engine: EngineClient
     config: ServerConfig
-    metrics: PrometheusMetrics
+    metrics: MetricsExporter
 
     @property
     def model_name(self) -> str:
@@ -85,12 +85,14 @@ def json_response(body: BaseModel) -> Response:
 
 
 def engine_failure(error: Exception) -> OpenAIError:
-    """An engine-side failure while a request was running is a 500, ours not the client's."""
-    return OpenAIError(500, f"The engine failed while serving this request: {error}", SERVER_ERROR)
+    """An engine-side failure while a request was running is a 500, ours not the client's;
+    a dead data-parallel replica is a 503 (the service is still up: retry)."""
+    status = 503 if isinstance(error, EngineUnavailableError) else 500
+    return OpenAIError(status, f"The engine failed while serving this request: {error}", SERVER_ERROR)
 
 
 async def add_requests(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     base_id: str,
     prompts: Sequence[tuple[str | None, list[int]]],
     params: SamplingParams,

@@ -1,0 +1,471 @@
+"""Data-parallel serving: N engine replicas in Ray actors behind one engine client.
+
+::
+
+    HTTP handlers (event loop) --add_request--> DataParallelEngineClient
+        Router.choose(prompt ids)  -> replica r (least outstanding tokens / prefix affinity)
+        replica r .generate (Ray streaming generator) --> pump task --> RequestStream
+    health task: polls every replica's stats; a dead one is out of rotation until it
+        answers again (Ray restarts it: ``max_restarts``)
+
+:class:`DataParallelEngineClient` has :class:`~inflight.engine.protocol.EngineClient`'s
+interface, so the OpenAI serving code drives it exactly as it drives one
+:class:`AsyncLLMEngine`.
+
+Failures: when a replica dies, the router takes it out of rotation. Each of its requests
+that had streamed nothing yet (accepted or not) is retried once on another replica; one
+that had streamed something ends with :class:`EngineUnavailableError` (the server's 503,
+or an SSE error event). With no replica alive, new requests get ``EngineDeadError`` (503).
+
+Invariants: every request the router counts has a pump task, and the pump ends it in the
+router (``Router.end``) exactly once, whatever happens; deltas reach the stream in the
+order the replica produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from inflight.distributed.metrics import DataParallelMetrics, ReplicaSnapshot
+from inflight.distributed.replica import (
+    ACCEPTED,
+    Failed,
+    Rejected,
+    ReplicaInfo,
+    ReplicaItem,
+    replica_actor_class,
+)
+from inflight.distributed.router import NoReplicaAliveError, Router, RouterConfig
+from inflight.engine.llm_engine import PromptInput
+from inflight.engine.request_stream import (
+    EngineDeadError,
+    EngineShutdownError,
+    EngineUnavailableError,
+    RequestDelta,
+    RequestStream,
+)
+from inflight.metrics.stats import EngineStats
+from inflight.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RAY_MISSING = (
+    "--data-parallel-backend ray needs Ray, which is not installed: pip install 'inflight[ray]'"
+)
+_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # deltas are small; keep the local store small
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a RuntimeError naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError as error:
+        raise RuntimeError(RAY_MISSING) from error
+    return ray
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelConfig:
+    """vLLM's names: ``--data-parallel-size``, ``--data-parallel-address``."""
+
+    data_parallel_size: int = 2
+    address: str | None = None  # a running cluster ("auto", "ray://..."); None: a local one
+    num_cpus_per_replica: float = 1.0
+    torch_threads_per_replica: int | None = None  # default: this machine's cores / size
+    max_restarts: int = 4
+    health_check_interval_s: float = 0.5
+    health_check_timeout_s: float = 5.0
+    affinity_blocks: int = 4
+    affinity_slack_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
+
+    @property
+    def torch_threads(self) -> int:
+        if self.torch_threads_per_replica is not None:
+            return self.torch_threads_per_replica
+        return max(1, (os.cpu_count() or 1) // self.data_parallel_size)
+
+
+@dataclass(slots=True)
+class _ReplicaState:
+    handle: Any
+    alive: bool = True
+    num_restarts: int = 0
+    stats: EngineStats | None = None
+    last_error: str | None = None
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """One request the client owns: where it runs, and whether it may be retried."""
+
+    request_id: str
+    prompt: PromptInput
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+    params: SamplingParams
+    priority: int
+    replica: int = -1
+    streamed: bool = False  # a delta reached the caller: no retry any more
+    tried: set[int] = field(default_factory=set)
+
+
+class DataParallelEngineClient:
+    """N replicas of one model as Ray actors, routed by :class:`Router`."""
+
+    def __init__(
+        self, model: str | None, engine_options: dict[str, Any], config: DataParallelConfig
+    ) -> None:
+        ray = import_ray()
+        self._ray = ray
+        self.config = config
+        self._started_ray = _init_ray(ray, config)
+        actor_class = replica_actor_class(
+            num_cpus=config.num_cpus_per_replica,
+            num_gpus=1 if engine_options.get("device") == "cuda" else 0,
+            max_restarts=config.max_restarts,
+        )
+        self._replicas = [
+            _ReplicaState(actor_class.remote(model, engine_options, config.torch_threads))
+            for _ in range(config.data_parallel_size)
+        ]
+        # Wait for every model to load: the server opens its port only when ready.
+        infos: list[ReplicaInfo] = ray.get([r.handle.describe.remote() for r in self._replicas])
+        self._info = infos[0]
+        self._tokenizer = ray.get(self._replicas[0].handle.tokenizer.remote())
+        self.router = Router(
+            RouterConfig(
+                num_replicas=config.data_parallel_size,
+                block_size=self._info.block_size,
+                enable_prefix_affinity=self._info.enable_prefix_caching,
+                affinity_blocks=config.affinity_blocks,
+                affinity_slack_tokens=config.affinity_slack_tokens,
+            )
+        )
+        self._in_flight: dict[str, _InFlight] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._health_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.route_overhead_s = 0.0  # total time spent in Router.choose (bench)
+
+    # ------------------------------------------------------------------ read-only facts
+
+    @property
+    def replica_handles(self) -> list[Any]:
+        return [r.handle for r in self._replicas]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._info.vocab_size
+
+    @property
+    def model_path(self) -> str:
+        return self._info.model_path
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self._closed and any(r.alive for r in self._replicas)
+
+    def snapshots(self) -> list[ReplicaSnapshot]:
+        return [
+            ReplicaSnapshot(
+                replica=i,
+                alive=r.alive,
+                stats=r.stats,
+                num_requests_routed=self.router.num_routed[i],
+                outstanding_tokens=self.router.load(i),
+                num_restarts=r.num_restarts,
+            )
+            for i, r in enumerate(self._replicas)
+        ]
+
+    def health_report(self) -> tuple[bool, dict[str, Any]]:
+        replicas = [
+            {
+                "replica": s.replica,
+                "state": "alive" if s.alive else "dead",
+                "num_requests_routed": s.num_requests_routed,
+                "outstanding_tokens": s.outstanding_tokens,
+                "num_restarts": s.num_restarts,
+                "num_requests_running": s.stats.num_requests_running if s.stats else 0,
+                "last_error": self._replicas[s.replica].last_error,
+            }
+            for s in self.snapshots()
+        ]
+        healthy = self.is_healthy
+        num_alive = sum(r["state"] == "alive" for r in replicas)
+        status = "ok" if num_alive == len(replicas) else "degraded" if healthy else "unavailable"
+        return healthy, {"status": status, "replicas": replicas}
+
+    def make_metrics(self, model_name: str) -> DataParallelMetrics:
+        return DataParallelMetrics(self.snapshots, model_name)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._health_task = asyncio.get_running_loop().create_task(self._watch_replicas())
+
+    async def shutdown(self) -> None:
+        """Stop accepting, end the replicas' requests, and stop the replicas."""
+        self._closed = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self._each_alive("shutdown")
+        for task in list(self._tasks):
+            task.cancel()
+        for replica in self._replicas:
+            self._ray.kill(replica.handle, no_restart=True)
+        if self._started_ray:
+            self._ray.shutdown()
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Route the request, and wait until a replica has accepted it (retrying once on
+        another replica if the first dies before answering)."""
+        del arrival_time  # each replica stamps arrivals on its own clock
+        if self._closed:
+            raise EngineShutdownError("the server is shutting down")
+        if request_id in self._in_flight:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids, salt = self._prompt_tokens(prompt)
+        flight = _InFlight(request_id, prompt, token_ids, salt, params, priority)
+        generator = await self._submit(flight)
+        stream = RequestStream(request_id, self)
+        self._in_flight[request_id] = flight
+        task = asyncio.get_running_loop().create_task(self._pump(flight, generator, stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        flight = self._in_flight.get(request_id)
+        if flight is not None and self._replicas[flight.replica].alive:
+            self._replicas[flight.replica].handle.abort.remote(request_id)
+
+    def abort_all(self) -> None:
+        for replica in self._replicas:
+            if replica.alive:
+                replica.handle.abort_all.remote()
+
+    async def reset_prefix_cache(self) -> bool:
+        results = await self._each_alive("reset_prefix_cache")
+        return all(results)
+
+    # ------------------------------------------------------------------ routing
+
+    def _prompt_tokens(self, prompt: PromptInput) -> tuple[list[int], str | None]:
+        """The token ids the router hashes (the replica re-checks the prompt itself)."""
+        if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if prompt.get("prompt_token_ids") is not None:
+                return list(prompt["prompt_token_ids"]), salt
+            return self._prompt_tokens(prompt.get("prompt", ""))[0], salt
+        if isinstance(prompt, str):
+            return list(self._tokenizer.encode(prompt)), None
+        return list(prompt), None
+
+    async def _submit(self, flight: _InFlight) -> Any:
+        """Start the request on a replica; returns its generator once it accepted.
+
+        A replica that dies before accepting is taken out of rotation and the request
+        tried once more elsewhere.
+        """
+        while True:
+            replica = self._route(flight)
+            generator = self._replicas[replica].handle.generate.options(
+                num_returns="streaming"
+            ).remote(flight.request_id, flight.prompt, flight.params, flight.priority)
+            try:
+                first = await self._next_item(generator)
+            except _ReplicaLost as lost:
+                self._replica_died(replica, lost.reason)
+                if len(flight.tried) >= 2:
+                    raise EngineUnavailableError(
+                        f"engine replica {replica} died before accepting the request"
+                    ) from None
+                continue
+            except BaseException:
+                self.router.end(flight.request_id)
+                raise
+            if isinstance(first, Rejected):
+                self.router.end(flight.request_id)
+                raise _rejection_error(first)
+            assert first == ACCEPTED, first
+            return generator
+
+    def _route(self, flight: _InFlight) -> int:
+        started = time.perf_counter()
+        try:
+            decision = self.router.choose(
+                flight.prompt_token_ids, flight.cache_salt, exclude=frozenset(flight.tried)
+            )
+        except NoReplicaAliveError as error:
+            raise EngineDeadError("no engine replica is alive; retry later") from error
+        finally:
+            self.route_overhead_s += time.perf_counter() - started
+        params = flight.params
+        max_tokens = params.max_tokens if params.max_tokens is not None else 256
+        self.router.begin(
+            flight.request_id, decision.replica, len(flight.prompt_token_ids),
+            params.n * max_tokens,
+        )
+        flight.replica = decision.replica
+        flight.tried.add(decision.replica)
+        return decision.replica
+
+    async def _pump(self, flight: _InFlight, generator: Any, stream: RequestStream) -> None:
+        """Feed the replica's items to the stream; on a replica death, retry or fail."""
+        try:
+            while True:
+                try:
+                    await self._forward(flight, generator, stream)
+                    return
+                except _ReplicaLost as lost:
+                    self._replica_died(flight.replica, lost.reason)
+                    if flight.streamed or len(flight.tried) >= 2:
+                        stream._put(EngineUnavailableError(
+                            f"engine replica {flight.replica} died while serving the request"
+                        ))
+                        return
+                    try:
+                        generator = await self._submit(flight)
+                    except (EngineDeadError, ValueError, TypeError) as error:
+                        stream._put(error)
+                        return
+        except asyncio.CancelledError:
+            stream._put(EngineShutdownError("the server is shutting down"))
+            raise
+        finally:
+            self.router.end(flight.request_id)
+            self._in_flight.pop(flight.request_id, None)
+
+    async def _forward(self, flight: _InFlight, generator: Any, stream: RequestStream) -> None:
+        while True:
+            item = await self._next_item(generator)
+            if item is None:  # ended without a final delta: treat as lost
+                raise _ReplicaLost("the replica's stream ended early")
+            if isinstance(item, Failed):
+                stream._put(EngineDeadError(item.message))
+                return
+            assert isinstance(item, RequestDelta), item
+            flight.streamed = True
+            self.router.progress(flight.request_id, len(item.token_ids))
+            stream._put(item)
+            if item.finished:
+                return
+
+    async def _next_item(self, generator: Any) -> ReplicaItem | None:
+        """The generator's next item; None at its end; :class:`_ReplicaLost` if the
+        replica died."""
+        exceptions = self._ray.exceptions
+        try:
+            ref = await generator.__anext__()
+            item: ReplicaItem = await ref
+        except StopAsyncIteration:
+            return None
+        except (exceptions.RayActorError, exceptions.ActorUnavailableError) as error:
+            raise _ReplicaLost(str(error).splitlines()[0]) from error
+        return item
+
+    # ------------------------------------------------------------------ replica health
+
+    def _replica_died(self, replica: int, reason: str) -> None:
+        state = self._replicas[replica]
+        if state.alive:
+            logger.warning("engine replica %d is out of rotation: %s", replica, reason)
+        state.alive = False
+        state.last_error = reason
+        self.router.mark_dead(replica)
+
+    async def _watch_replicas(self) -> None:
+        """Poll every replica's stats; a dead one that answers again (Ray restarted it)
+        is back in rotation."""
+        while True:
+            await asyncio.gather(*(self._poll(i) for i in range(len(self._replicas))))
+            await asyncio.sleep(self.config.health_check_interval_s)
+
+    async def _poll(self, replica: int) -> None:
+        state = self._replicas[replica]
+        exceptions = self._ray.exceptions
+        try:
+            stats = await asyncio.wait_for(
+                state.handle.stats.remote(), self.config.health_check_timeout_s
+            )
+        except (exceptions.RayActorError, exceptions.ActorUnavailableError) as error:
+            self._replica_died(replica, str(error).splitlines()[0])
+            return
+        except TimeoutError:
+            return  # busy or restarting: its own requests tell us if it died
+        state.stats = stats
+        if not state.alive and not self._closed:
+            logger.info("engine replica %d is back in rotation", replica)
+            state.alive = True
+            state.num_restarts += 1
+            self.router.mark_alive(replica)
+
+    async def _each_alive(self, method: str) -> list[Any]:
+        refs = [getattr(r.handle, method).remote() for r in self._replicas if r.alive]
+        try:
+            return list(await asyncio.gather(*refs))
+        except self._ray.exceptions.RayError:
+            return [False]
+
+
+class _ReplicaLost(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _rejection_error(rejected: Rejected) -> Exception:
+    if rejected.unavailable:
+        return EngineUnavailableError(rejected.message)
+    if rejected.error_type == "TypeError":
+        return TypeError(rejected.message)
+    return ValueError(rejected.message)
+
+
+def _init_ray(ray: Any, config: DataParallelConfig) -> bool:
+    """Join ``config.address``, or start a small local cluster on loopback; True if we
+    started it (so we stop it too)."""
+    if ray.is_initialized():
+        return False
+    if config.address is not None:
+        ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
+        return False
+    needed = config.data_parallel_size * config.num_cpus_per_replica
+    ray.init(
+        address="local",
+        num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
+        include_dashboard=False,
+        object_store_memory=_OBJECT_STORE_BYTES,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return True

@@ -1,0 +1,154 @@
+"""One engine replica: an :class:`AsyncLLMEngine` inside a Ray actor (its own process).
+
+The class is plain Python; :func:`replica_actor_class` wraps it with ``ray.remote`` so
+this module imports without ray. Every method is ``async``: Ray runs them on the actor's
+event loop, the loop the engine thread delivers to.
+
+Streaming: :meth:`EngineReplica.generate` is an async generator, called with
+``num_returns="streaming"``. Its first item is :data:`ACCEPTED` or a :class:`Rejected`
+(the engine's acceptance reply, so the client raises the same ``ValueError`` a local
+engine would); then one :class:`RequestDelta` per engine delta, the last one
+``finished``; or a :class:`Failed` when the engine failed the request. Closing the
+generator (the client went away) aborts the request, freeing its KV blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from inflight.engine.async_engine import AsyncLLMEngine
+from inflight.engine.llm_engine import PromptInput
+from inflight.engine.request_stream import (
+    EngineDeadError,
+    EngineShutdownError,
+    RequestDelta,
+)
+from inflight.metrics.stats import EngineStats
+from inflight.sampling_params import SamplingParams
+
+ACCEPTED = "accepted"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The engine refused the request (``error_type`` is ValueError or TypeError), or
+    could not take it (``unavailable``: shutting down or dead)."""
+
+    error_type: str
+    message: str
+    unavailable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The engine failed the request after accepting it."""
+
+    message: str
+
+
+ReplicaItem = str | Rejected | Failed | RequestDelta
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """What the client needs to know about the model the replicas serve."""
+
+    max_model_len: int
+    vocab_size: int
+    model_path: str
+    block_size: int
+    enable_prefix_caching: bool
+    pid: int
+
+
+class EngineReplica:
+    """Owns one engine; ``num_threads`` torch threads (its share of the cores)."""
+
+    def __init__(self, model: str | None, options: dict[str, Any], num_threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, num_threads))
+        self._engine = AsyncLLMEngine.from_options(model, **options)
+        self._started = False
+
+    def _ensure_started(self) -> AsyncLLMEngine:
+        # start() binds the engine to the running loop: only possible inside a method.
+        if not self._started:
+            self._engine.start()
+            self._started = True
+        return self._engine
+
+    async def describe(self) -> ReplicaInfo:
+        engine = self._ensure_started()
+        cache = engine._engine.config.cache
+        return ReplicaInfo(
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            model_path=engine.model_path,
+            block_size=cache.block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            pid=os.getpid(),
+        )
+
+    async def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    async def generate(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int
+    ) -> AsyncIterator[ReplicaItem]:
+        engine = self._ensure_started()
+        try:
+            stream = await engine.add_request(request_id, prompt, params, priority=priority)
+        except (ValueError, TypeError) as error:
+            yield Rejected(type(error).__name__, str(error))
+            return
+        except (EngineShutdownError, EngineDeadError) as error:
+            yield Rejected(type(error).__name__, str(error), unavailable=True)
+            return
+        yield ACCEPTED
+        try:
+            async for delta in stream:
+                yield delta
+        except EngineDeadError as error:
+            yield Failed(str(error))
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        self._ensure_started().abort(request_id)
+
+    async def abort_all(self) -> None:
+        self._ensure_started().abort_all()
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._ensure_started().reset_prefix_cache()
+
+    async def stats(self) -> EngineStats:
+        """The latest snapshot, made picklable (histograms as a plain dict)."""
+        stats = self._ensure_started().stats
+        return dataclasses.replace(stats, histograms=dict(stats.histograms))
+
+    async def is_healthy(self) -> bool:
+        return self._ensure_started().is_healthy
+
+    async def shutdown(self) -> None:
+        if self._started:
+            await self._engine.shutdown()
+
+
+def replica_actor_class(num_cpus: float, num_gpus: float, max_restarts: int) -> Any:
+    """:class:`EngineReplica` as a Ray actor class; Ray restarts a dead one (re-running
+    ``__init__``), and never retries a call that was in flight when it died. Async
+    methods make it an async actor (up to 1000 concurrent calls by default)."""
+    import ray
+
+    return ray.remote(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_restarts=max_restarts,
+        max_task_retries=0,
+    )(EngineReplica)
