@@ -5,7 +5,8 @@ Pure Python (no ray, no torch), so the policy is unit-tested alone.
 Load: a request adds ``len(prompt) + n * max_tokens`` outstanding tokens to its replica
 when it is routed; the prompt part is paid off at its first delta (the prefill is done),
 each streamed token pays one off, and whatever is left is dropped when it ends. The
-least-loaded alive replica wins; ties go to the lowest index.
+least-loaded alive replica wins; ties go to the replica routed the fewest requests so
+far, then the lowest index (so an idle service still spreads work round-robin).
 
 Affinity (prefix caching on): a prompt's first ``affinity_blocks`` full KV blocks are
 hashed with the engine's own chained block hashes (so a key names a whole prefix, salt
@@ -123,7 +124,7 @@ class Router:
         candidates = [r for r in self.alive_replicas if r not in exclude]
         if not candidates:
             raise NoReplicaAliveError("no engine replica is alive")
-        least = min(candidates, key=lambda r: (self._load[r], r))
+        least = min(candidates, key=lambda r: (self._load[r], self.num_routed[r], r))
         if not self.config.enable_prefix_affinity:
             return RouteDecision(least, affinity_hit=False)
         keys = self.prefix_keys(prompt_token_ids, cache_salt)
