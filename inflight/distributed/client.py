@@ -97,6 +97,7 @@ class DataParallelConfig:
 @dataclass(slots=True)
 class _ReplicaState:
     handle: Any
+    pid: int = 0  # the actor's process; a new one means Ray restarted it
     alive: bool = True
     num_restarts: int = 0
     stats: EngineStats | None = None
@@ -127,7 +128,7 @@ class DataParallelEngineClient:
         ray = import_ray()
         self._ray = ray
         self.config = config
-        self._started_ray = _init_ray(ray, config)
+        self._started_ray = init_ray(ray, config)
         actor_class = replica_actor_class(
             num_cpus=config.num_cpus_per_replica,
             num_gpus=1 if engine_options.get("device") == "cuda" else 0,
@@ -140,6 +141,8 @@ class DataParallelEngineClient:
         # Wait for every model to load: the server opens its port only when ready.
         infos: list[ReplicaInfo] = ray.get([r.handle.describe.remote() for r in self._replicas])
         self._info = infos[0]
+        for replica, info in zip(self._replicas, infos, strict=True):
+            replica.pid = info.pid
         self._tokenizer = ray.get(self._replicas[0].handle.tokenizer.remote())
         self.router = Router(
             RouterConfig(
@@ -413,8 +416,8 @@ class DataParallelEngineClient:
         state = self._replicas[replica]
         exceptions = self._ray.exceptions
         try:
-            stats = await asyncio.wait_for(
-                state.handle.stats.remote(), self.config.health_check_timeout_s
+            pid, stats = await asyncio.wait_for(
+                state.handle.heartbeat.remote(), self.config.health_check_timeout_s
             )
         except (exceptions.RayActorError, exceptions.ActorUnavailableError) as error:
             self._replica_died(replica, str(error).splitlines()[0])
@@ -422,10 +425,12 @@ class DataParallelEngineClient:
         except TimeoutError:
             return  # busy or restarting: its own requests tell us if it died
         state.stats = stats
+        if pid != state.pid:  # restarted, possibly before anyone saw it dead
+            state.pid = pid
+            state.num_restarts += 1
         if not state.alive and not self._closed:
             logger.info("engine replica %d is back in rotation", replica)
             state.alive = True
-            state.num_restarts += 1
             self.router.mark_alive(replica)
 
     async def _each_alive(self, method: str) -> list[Any]:
@@ -450,7 +455,7 @@ def _rejection_error(rejected: Rejected) -> Exception:
     return ValueError(rejected.message)
 
 
-def _init_ray(ray: Any, config: DataParallelConfig) -> bool:
+def init_ray(ray: Any, config: DataParallelConfig) -> bool:
     """Join ``config.address``, or start a small local cluster on loopback; True if we
     started it (so we stop it too)."""
     if ray.is_initialized():

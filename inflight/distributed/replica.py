@@ -127,10 +127,11 @@ class EngineReplica:
     async def reset_prefix_cache(self) -> bool:
         return await self._ensure_started().reset_prefix_cache()
 
-    async def stats(self) -> EngineStats:
-        """The latest snapshot, made picklable (histograms as a plain dict)."""
+    async def heartbeat(self) -> tuple[int, EngineStats]:
+        """This process's id (a new one after a restart) and the latest stats snapshot,
+        made picklable (histograms as a plain dict)."""
         stats = self._ensure_started().stats
-        return dataclasses.replace(stats, histograms=dict(stats.histograms))
+        return os.getpid(), dataclasses.replace(stats, histograms=dict(stats.histograms))
 
     async def is_healthy(self) -> bool:
         return self._ensure_started().is_healthy
