@@ -3,9 +3,11 @@
 ::
 
     HTTP handlers (event loop) --add_request--> DataParallelEngineClient
-        Router.choose(prompt ids)  -> replica r (least outstanding tokens / prefix affinity)
-        replica r .generate (Ray streaming generator) --> pump task --> RequestStream
-    health task: polls every replica's stats; a dead one is out of rotation until it
+        Router.choose(prompt ids) -> replica r (least outstanding tokens / prefix affinity)
+        replica r .add(request)  -> ACCEPTED / Rejected            (one Ray call)
+    reader task per replica: replica .outputs() (one Ray streaming generator) yields
+        batches of (request_id, delta) -> each request's RequestStream
+    health task: polls every replica's heartbeat; a dead one is out of rotation until it
         answers again (Ray restarts it: ``max_restarts``)
 
 :class:`DataParallelEngineClient` has :class:`~inflight.engine.protocol.EngineClient`'s
@@ -17,9 +19,10 @@ that had streamed nothing yet (accepted or not) is retried once on another repli
 that had streamed something ends with :class:`EngineUnavailableError` (the server's 503,
 or an SSE error event). With no replica alive, new requests get ``EngineDeadError`` (503).
 
-Invariants: every request the router counts has a pump task, and the pump ends it in the
-router (``Router.end``) exactly once, whatever happens; deltas reach the stream in the
-order the replica produced them.
+Invariants: a request is in ``_in_flight`` from :meth:`add_request` until its stream got
+its last item (a final delta or an error), and is ended in the router then, exactly
+once; deltas reach a stream in the order its replica produced them, and only from the
+replica the request runs on now (``_InFlight.replica``; a stale one is dropped).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +102,7 @@ class DataParallelConfig:
 class _ReplicaState:
     handle: Any
     pid: int = 0  # the actor's process; a new one means Ray restarted it
+    epoch: int = 0  # deaths seen: a reply from before one is stale
     alive: bool = True
     num_restarts: int = 0
     stats: EngineStats | None = None
@@ -114,7 +119,9 @@ class _InFlight:
     cache_salt: str | None
     params: SamplingParams
     priority: int
+    stream: RequestStream
     replica: int = -1
+    accepted: bool = False  # by ``replica``; until then _submit handles its failures
     streamed: bool = False  # a delta reached the caller: no retry any more
     tried: set[int] = field(default_factory=set)
 
@@ -154,8 +161,7 @@ class DataParallelEngineClient:
             )
         )
         self._in_flight: dict[str, _InFlight] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._health_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # readers, health, retries
         self._closed = False
         self.route_overhead_s = 0.0  # total time spent in Router.choose (bench)
 
@@ -222,20 +228,34 @@ class DataParallelEngineClient:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._health_task = asyncio.get_running_loop().create_task(self._watch_replicas())
+        """Start a reader task per replica and the health task, on the running loop."""
+        for replica in range(len(self._replicas)):
+            self._spawn(self._read_outputs(replica))
+        self._spawn(self._watch_replicas())
 
     async def shutdown(self) -> None:
-        """Stop accepting, end the replicas' requests, and stop the replicas."""
+        """Stop accepting, end the requests still in flight (``abort``), and stop the
+        replicas (and the local Ray cluster, if this client started it)."""
         self._closed = True
-        if self._health_task is not None:
-            self._health_task.cancel()
-        await self._each_alive("shutdown")
         for task in list(self._tasks):
             task.cancel()
+        await self._each_alive("shutdown")
+        for flight in list(self._in_flight.values()):
+            self._finish(flight, self._abort_delta(flight))
         for replica in self._replicas:
             self._ray.kill(replica.handle, no_restart=True)
         if self._started_ray:
             self._ray.shutdown()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)  # held: the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def _lost_errors(self) -> tuple[type[BaseException], ...]:
+        """What a call raises when its replica died (or is restarting)."""
+        return (self._ray.exceptions.RayActorError,)
 
     # ------------------------------------------------------------------ requests
 
@@ -256,18 +276,20 @@ class DataParallelEngineClient:
         if request_id in self._in_flight:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, salt = self._prompt_tokens(prompt)
-        flight = _InFlight(request_id, prompt, token_ids, salt, params, priority)
-        generator = await self._submit(flight)
         stream = RequestStream(request_id, self)
+        flight = _InFlight(request_id, prompt, token_ids, salt, params, priority, stream)
+        # Registered first: its first deltas may come before the acceptance reply.
         self._in_flight[request_id] = flight
-        task = asyncio.get_running_loop().create_task(self._pump(flight, generator, stream))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        try:
+            await self._submit(flight)
+        except BaseException:
+            self._in_flight.pop(request_id, None)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
         flight = self._in_flight.get(request_id)
-        if flight is not None and self._replicas[flight.replica].alive:
+        if flight is not None and flight.accepted and self._replicas[flight.replica].alive:
             self._replicas[flight.replica].handle.abort.remote(request_id)
 
     def abort_all(self) -> None:
@@ -292,34 +314,38 @@ class DataParallelEngineClient:
             return list(self._tokenizer.encode(prompt)), None
         return list(prompt), None
 
-    async def _submit(self, flight: _InFlight) -> Any:
-        """Start the request on a replica; returns its generator once it accepted.
-
-        A replica that dies before accepting is taken out of rotation and the request
-        tried once more elsewhere.
-        """
+    async def _submit(self, flight: _InFlight) -> None:
+        """Add the request on a replica and wait for its acceptance. A replica that dies
+        first is taken out of rotation and the request tried once more elsewhere."""
         while True:
             replica = self._route(flight)
-            generator = self._replicas[replica].handle.generate.options(
-                num_returns="streaming"
-            ).remote(flight.request_id, flight.prompt, flight.params, flight.priority)
+            state = self._replicas[replica]
+            epoch = state.epoch
             try:
-                first = await self._next_item(generator)
-            except _ReplicaLost as lost:
-                self._replica_died(replica, lost.reason)
+                reply = await state.handle.add.remote(
+                    flight.request_id, flight.prompt, flight.params, flight.priority
+                )
+            except self._lost_errors as error:
+                self._replica_died(replica, _reason(error))
+                reply = None
+            except BaseException:  # cancelled (the caller left): don't leak it there
+                self.router.end(flight.request_id)
+                state.handle.abort.remote(flight.request_id)
+                raise
+            if reply is not None and state.epoch != epoch:
+                reply = None  # accepted, but the replica died before we saw the reply
+            if reply is None:
                 if len(flight.tried) >= 2:
                     raise EngineUnavailableError(
                         f"engine replica {replica} died before accepting the request"
-                    ) from None
+                    )
                 continue
-            except BaseException:
+            if isinstance(reply, Rejected):
                 self.router.end(flight.request_id)
-                raise
-            if isinstance(first, Rejected):
-                self.router.end(flight.request_id)
-                raise _rejection_error(first)
-            assert first == ACCEPTED, first
-            return generator
+                raise _rejection_error(reply)
+            assert reply == ACCEPTED, reply
+            flight.accepted = True
+            return
 
     def _route(self, flight: _InFlight) -> int:
         started = time.perf_counter()
@@ -338,62 +364,59 @@ class DataParallelEngineClient:
             params.n * max_tokens,
         )
         flight.replica = decision.replica
+        flight.accepted = False
         flight.tried.add(decision.replica)
         return decision.replica
 
-    async def _pump(self, flight: _InFlight, generator: Any, stream: RequestStream) -> None:
-        """Feed the replica's items to the stream; on a replica death, retry or fail."""
-        try:
-            while True:
-                try:
-                    await self._forward(flight, generator, stream)
-                    return
-                except _ReplicaLost as lost:
-                    self._replica_died(flight.replica, lost.reason)
-                    if flight.streamed or len(flight.tried) >= 2:
-                        stream._put(EngineUnavailableError(
-                            f"engine replica {flight.replica} died while serving the request"
-                        ))
-                        return
-                    try:
-                        generator = await self._submit(flight)
-                    except (EngineDeadError, ValueError, TypeError) as error:
-                        stream._put(error)
-                        return
-        except asyncio.CancelledError:
-            stream._put(EngineShutdownError("the server is shutting down"))
-            raise
-        finally:
-            self.router.end(flight.request_id)
-            self._in_flight.pop(flight.request_id, None)
+    # ------------------------------------------------------------------ outputs
 
-    async def _forward(self, flight: _InFlight, generator: Any, stream: RequestStream) -> None:
-        while True:
-            item = await self._next_item(generator)
-            if item is None:  # ended without a final delta: treat as lost
-                raise _ReplicaLost("the replica's stream ended early")
-            if isinstance(item, Failed):
-                stream._put(EngineDeadError(item.message))
-                return
-            assert isinstance(item, RequestDelta), item
-            flight.streamed = True
-            self.router.progress(flight.request_id, len(item.token_ids))
-            stream._put(item)
-            if item.finished:
-                return
+    async def _read_outputs(self, replica: int) -> None:
+        """Feed replica ``replica``'s deltas to their streams, for as long as we serve;
+        after its death, listen again (Ray queues the call until it has restarted)."""
+        while not self._closed:
+            handle = self._replicas[replica].handle
+            try:
+                async for ref in handle.outputs.options(num_returns="streaming").remote():
+                    for request_id, item in await ref:
+                        self._dispatch(replica, request_id, item)
+            except self._lost_errors as error:
+                self._replica_died(replica, _reason(error))
+                await asyncio.sleep(self.config.health_check_interval_s)
 
-    async def _next_item(self, generator: Any) -> ReplicaItem | None:
-        """The generator's next item; None at its end; :class:`_ReplicaLost` if the
-        replica died."""
-        exceptions = self._ray.exceptions
+    def _dispatch(self, replica: int, request_id: str, item: ReplicaItem) -> None:
+        flight = self._in_flight.get(request_id)
+        if flight is None or flight.replica != replica:
+            return  # ended already, or retried elsewhere
+        if isinstance(item, Failed):
+            self._finish(flight, EngineDeadError(item.message))
+            return
+        flight.streamed = True
+        self.router.progress(request_id, len(item.token_ids))
+        flight.stream._put(item)
+        if item.finished:
+            self._finish(flight, None)
+
+    def _finish(self, flight: _InFlight, last: RequestDelta | BaseException | None) -> None:
+        """End a request: its stream's last item (unless it was already given), and the
+        router's count."""
+        if self._in_flight.pop(flight.request_id, None) is None:
+            return
+        self.router.end(flight.request_id)
+        if last is not None:
+            flight.stream._put(last)
+
+    def _abort_delta(self, flight: _InFlight) -> RequestDelta:
+        return RequestDelta(
+            request_id=flight.request_id, text="", token_ids=[],
+            num_prompt_tokens=len(flight.prompt_token_ids), num_output_tokens=0,
+            finished=True, finish_reason="abort",
+        )
+
+    async def _retry(self, flight: _InFlight) -> None:
         try:
-            ref = await generator.__anext__()
-            item: ReplicaItem = await ref
-        except StopAsyncIteration:
-            return None
-        except (exceptions.RayActorError, exceptions.ActorUnavailableError) as error:
-            raise _ReplicaLost(str(error).splitlines()[0]) from error
-        return item
+            await self._submit(flight)
+        except (EngineDeadError, ValueError, TypeError) as error:
+            self._finish(flight, error)
 
     # ------------------------------------------------------------------ replica health
 
@@ -403,7 +426,23 @@ class DataParallelEngineClient:
             logger.warning("engine replica %d is out of rotation: %s", replica, reason)
         state.alive = False
         state.last_error = reason
+        state.epoch += 1
         self.router.mark_dead(replica)
+        for flight in list(self._in_flight.values()):
+            if flight.replica == replica and flight.accepted:
+                self._recover(flight)
+
+    def _recover(self, flight: _InFlight) -> None:
+        """A request whose replica died: retried elsewhere if nothing was streamed."""
+        flight.accepted = False
+        if flight.stream.finished:  # the caller left: nothing to recover
+            self._finish(flight, self._abort_delta(flight))
+        elif flight.streamed or len(flight.tried) >= 2:
+            self._finish(flight, EngineUnavailableError(
+                f"engine replica {flight.replica} died while serving the request"
+            ))
+        else:
+            self._spawn(self._retry(flight))
 
     async def _watch_replicas(self) -> None:
         """Poll every replica's stats; a dead one that answers again (Ray restarted it)
@@ -414,13 +453,12 @@ class DataParallelEngineClient:
 
     async def _poll(self, replica: int) -> None:
         state = self._replicas[replica]
-        exceptions = self._ray.exceptions
         try:
             pid, stats = await asyncio.wait_for(
                 state.handle.heartbeat.remote(), self.config.health_check_timeout_s
             )
-        except (exceptions.RayActorError, exceptions.ActorUnavailableError) as error:
-            self._replica_died(replica, str(error).splitlines()[0])
+        except self._lost_errors as error:
+            self._replica_died(replica, _reason(error))
             return
         except TimeoutError:
             return  # busy or restarting: its own requests tell us if it died
@@ -441,10 +479,8 @@ class DataParallelEngineClient:
             return [False]
 
 
-class _ReplicaLost(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+def _reason(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _rejection_error(rejected: Rejected) -> Exception:

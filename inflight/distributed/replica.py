@@ -4,16 +4,23 @@ The class is plain Python; :func:`replica_actor_class` wraps it with ``ray.remot
 this module imports without ray. Every method is ``async``: Ray runs them on the actor's
 event loop, the loop the engine thread delivers to.
 
-Streaming: :meth:`EngineReplica.generate` is an async generator, called with
-``num_returns="streaming"``. Its first item is :data:`ACCEPTED` or a :class:`Rejected`
-(the engine's acceptance reply, so the client raises the same ``ValueError`` a local
-engine would); then one :class:`RequestDelta` per engine delta, the last one
-``finished``; or a :class:`Failed` when the engine failed the request. Closing the
-generator (the client went away) aborts the request, freeing its KV blocks.
+Two channels to the client::
+
+    client --add(request)--> replica: ACCEPTED or Rejected (the engine's acceptance reply,
+                                      so the client raises the ValueError a local engine would)
+    client <--outputs()----- replica: one long-lived Ray streaming generator; each item is
+                                      a list of (request_id, RequestDelta | Failed): every
+                                      delta that was ready, from all requests together
+
+Batching every ready delta into one Ray item (rather than one item per token of each
+request) is what keeps the client's cost per request low: Ray costs about a millisecond
+of driver CPU per streamed item. A request's deltas keep their order; its last one is
+``finished``, or a :class:`Failed` when the engine failed it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from collections.abc import AsyncIterator
@@ -26,6 +33,7 @@ from inflight.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
     RequestDelta,
+    RequestStream,
 )
 from inflight.metrics.stats import EngineStats
 from inflight.sampling_params import SamplingParams
@@ -50,7 +58,7 @@ class Failed:
     message: str
 
 
-ReplicaItem = str | Rejected | Failed | RequestDelta
+ReplicaItem = RequestDelta | Failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,9 @@ class EngineReplica:
         torch.set_num_threads(max(1, num_threads))
         self._engine = AsyncLLMEngine.from_options(model, **options)
         self._started = False
+        self._streams: dict[str, RequestStream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._outbox: asyncio.Queue[tuple[str, ReplicaItem]] = asyncio.Queue()
 
     def _ensure_started(self) -> AsyncLLMEngine:
         # start() binds the engine to the running loop: only possible inside a method.
@@ -97,26 +108,41 @@ class EngineReplica:
     async def tokenizer(self) -> Any:
         return self._engine.tokenizer
 
-    async def generate(
+    async def add(
         self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int
-    ) -> AsyncIterator[ReplicaItem]:
+    ) -> str | Rejected:
+        """Add a request; its deltas go to :meth:`outputs`. ACCEPTED or why not."""
         engine = self._ensure_started()
         try:
             stream = await engine.add_request(request_id, prompt, params, priority=priority)
         except (ValueError, TypeError) as error:
-            yield Rejected(type(error).__name__, str(error))
-            return
+            return Rejected(type(error).__name__, str(error))
         except (EngineShutdownError, EngineDeadError) as error:
-            yield Rejected(type(error).__name__, str(error), unavailable=True)
-            return
-        yield ACCEPTED
+            return Rejected(type(error).__name__, str(error), unavailable=True)
+        self._streams[request_id] = stream
+        task = asyncio.get_running_loop().create_task(self._forward(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return ACCEPTED
+
+    async def _forward(self, stream: RequestStream) -> None:
         try:
             async for delta in stream:
-                yield delta
+                self._outbox.put_nowait((stream.request_id, delta))
         except EngineDeadError as error:
-            yield Failed(str(error))
+            self._outbox.put_nowait((stream.request_id, Failed(str(error))))
         finally:
+            self._streams.pop(stream.request_id, None)
             stream.close()
+
+    async def outputs(self) -> AsyncIterator[list[tuple[str, ReplicaItem]]]:
+        """Every request's deltas, in batches of whatever is ready (never empty)."""
+        self._ensure_started()
+        while True:
+            batch = [await self._outbox.get()]
+            while not self._outbox.empty():
+                batch.append(self._outbox.get_nowait())
+            yield batch
 
     async def abort(self, request_id: str) -> None:
         self._ensure_started().abort(request_id)
