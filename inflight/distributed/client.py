@@ -138,7 +138,7 @@ class DataParallelEngineClient:
         self._started_ray = init_ray(ray, config)
         actor_class = replica_actor_class(
             num_cpus=config.num_cpus_per_replica,
-            num_gpus=1 if engine_options.get("device") == "cuda" else 0,
+            num_gpus=gpus_per_replica(ray, str(engine_options.get("device") or "auto"), config),
             max_restarts=config.max_restarts,
         )
         self._replicas = [
@@ -489,6 +489,29 @@ def _rejection_error(rejected: Rejected) -> Exception:
     if rejected.error_type == "TypeError":
         return TypeError(rejected.message)
     return ValueError(rejected.message)
+
+
+def gpus_per_replica(ray: Any, device: str, config: DataParallelConfig) -> float:
+    """The GPU share each replica reserves: one each when the cluster has enough, else an
+    equal share of what it has (replicas then share devices); none on the CPU.
+
+    Ray hides the GPUs from an actor that reserved none, so ``auto`` follows the cluster's
+    GPUs, not this process's.
+    """
+    if device == "cpu":
+        return 0.0
+    total = float(ray.cluster_resources().get("GPU", 0))
+    if total <= 0:
+        if device.startswith("cuda"):
+            raise ValueError(f"--device {device}: the Ray cluster has no GPU")
+        return 0.0
+    share = min(1.0, total / config.data_parallel_size)
+    if share < 1.0:
+        logger.warning(
+            "%d replicas on %g GPU(s): each replica gets %.2f of a GPU",
+            config.data_parallel_size, total, share,
+        )
+    return share
 
 
 def init_ray(ray: Any, config: DataParallelConfig) -> bool:

@@ -151,6 +151,27 @@ def test_health_reports_each_replica(dp_server: DataParallelServer) -> None:
     assert all(r["state"] == "alive" for r in body["replicas"])
 
 
+def test_shared_prefix_goes_to_the_replica_that_caches_it(dp_server: DataParallelServer) -> None:
+    # 40 shared words: the first two 16-token KV blocks of both prompts are equal.
+    prefix = " ".join(f"w{400 + j}" for j in range(40))
+    routed = [dp_server.metric("inflight:replica_requests_routed_total")]
+    usages = []
+    for suffix in ("w11", "w12"):
+        response = dp_server.complete(f"{prefix} {suffix}")
+        assert response.status_code == 200
+        usages.append(response.json()["usage"])
+        routed.append(dp_server.metric("inflight:replica_requests_routed_total"))
+    served = [
+        next(r for r in after if after[r] > before[r])
+        for before, after in zip(routed, routed[1:], strict=False)
+    ]
+    # Both idle: load alone would have alternated replicas; the prefix keeps them together
+    # and the second request finds its first two blocks in that replica's prefix cache.
+    assert served[0] == served[1]
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
 def _stream(server: DataParallelServer, prompt: str, started: threading.Event) -> dict[str, Any]:
     """A streaming completion: its text, and the in-band error if one came."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": LONG_TOKENS, "temperature": 0,
