@@ -145,8 +145,7 @@ class DataParallelEngineClient:
             _ReplicaState(actor_class.remote(model, engine_options, config.torch_threads))
             for _ in range(config.data_parallel_size)
         ]
-        # Wait for every model to load: the server opens its port only when ready.
-        infos: list[ReplicaInfo] = ray.get([r.handle.describe.remote() for r in self._replicas])
+        infos = self._wait_ready()
         self._info = infos[0]
         for replica, info in zip(self._replicas, infos, strict=True):
             replica.pid = info.pid
@@ -164,6 +163,22 @@ class DataParallelEngineClient:
         self._tasks: set[asyncio.Task[None]] = set()  # readers, health, retries
         self._closed = False
         self.route_overhead_s = 0.0  # total time spent in Router.choose (bench)
+
+    def _wait_ready(self) -> list[ReplicaInfo]:
+        """Wait for every model to load (the server opens its port only when ready); a
+        replica that cannot start stops everything with a one-line ValueError."""
+        ray = self._ray
+        try:
+            infos: list[ReplicaInfo] = ray.get(
+                [r.handle.describe.remote() for r in self._replicas]
+            )
+        except ray.exceptions.RayError as error:
+            for replica in self._replicas:
+                ray.kill(replica.handle, no_restart=True)
+            if self._started_ray:
+                ray.shutdown()
+            raise ValueError(f"an engine replica failed to start: {_cause(error)}") from None
+        return infos
 
     # ------------------------------------------------------------------ read-only facts
 
@@ -481,6 +496,13 @@ class DataParallelEngineClient:
 
 def _reason(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _cause(error: BaseException) -> str:
+    """The innermost error's last line (Ray wraps a replica's error in its own)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error:" in line]
+    return (errors or lines or [type(error).__name__])[-1].strip()
 
 
 def _rejection_error(rejected: Rejected) -> Exception:
