@@ -44,6 +44,11 @@ class RequestFailedError(EngineDeadError):
     an engine failure for their request (a 500, or an SSE error event) report this too."""
 
 
+class EngineUnavailableError(EngineDeadError):
+    """The engine replica serving the request died (data-parallel serving): the service
+    goes on, so the server answers 503 (retry) rather than 500."""
+
+
 class EngineShutdownError(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -58,6 +59,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds requests in flight may take to finish after SIGTERM/"
         "SIGINT before they are aborted",
     )
+    dp = parser.add_argument_group("data parallel (vLLM's names)")
+    dp.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=1,
+        help="engine replicas behind the one endpoint (> 1 needs --data-parallel-backend ray)",
+    )
+    dp.add_argument(
+        "--data-parallel-backend", "-dpb", default=None, choices=["ray"],
+        help="ray: one replica per Ray actor, routed by least outstanding tokens with "
+        "prefix-cache affinity (needs pip install 'inflight[ray]')",
+    )
+    dp.add_argument(
+        "--data-parallel-address", "-dpa", default=None,
+        help="the Ray cluster to join (ray.init address, e.g. auto); default: start a "
+        "local one on loopback",
+    )
     group.add_argument(
         "--request-timeout",
         type=float,
@@ -95,11 +111,29 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
+def data_parallel(args: argparse.Namespace) -> bool:
+    """Whether to serve through Ray replicas; ValueError for a size without a backend."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.data_parallel_backend is None:
+        raise ValueError("--data-parallel-size > 1 needs --data-parallel-backend ray")
+    return args.data_parallel_backend == "ray"
+
+
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
     from inflight.engine.async_engine import AsyncLLMEngine
     from inflight.entrypoints.engine_args import engine_options
-    from inflight.entrypoints.openai.api_server import run_server
+    from inflight.entrypoints.openai.api_server import ServedEngine, run_server
     from inflight.entrypoints.openai.serving import ServerConfig
+
+    use_ray = data_parallel(args)
+    if use_ray and importlib.util.find_spec("ray") is None:
+        from inflight.distributed.client import RAY_MISSING
+
+        print(f"inflight: error: {RAY_MISSING}", file=sys.stderr)
+        return 2
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
@@ -112,12 +146,23 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise SystemExit(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
-    engine = AsyncLLMEngine.from_options(
-        args.model, request_timeout=args.request_timeout, **engine_options(args)
-    )
-    if not args.no_warmup:
-        # Before /health says ready, so the first clients do not pay for it (seconds on CPU).
-        logging.getLogger(__name__).info("warm-up run took %.1f s", engine.warm_up())
+    engine: ServedEngine
+    if use_ray:
+        from inflight.distributed.client import DataParallelConfig, DataParallelEngineClient
+
+        dp_config = DataParallelConfig(
+            data_parallel_size=args.data_parallel_size, address=args.data_parallel_address
+        )
+        options = {**engine_options(args), "request_timeout": args.request_timeout,
+                   "warmup": not args.no_warmup}
+        engine = DataParallelEngineClient(args.model, options, dp_config)
+    else:
+        engine = AsyncLLMEngine.from_options(
+            args.model, request_timeout=args.request_timeout, **engine_options(args)
+        )
+        if not args.no_warmup:
+            # Before /health says ready, so the first clients do not pay for it (seconds on CPU).
+            logging.getLogger(__name__).info("warm-up run took %.1f s", engine.warm_up())
     return run_server(
         engine,
         config,

@@ -30,6 +30,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from inflight.engine.async_engine import AsyncLLMEngine
+from inflight.engine.protocol import MetricsExporter, ReplicatedEngineClient
 from inflight.entrypoints.openai.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
@@ -70,10 +71,12 @@ logger = logging.getLogger(__name__)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+ServedEngine = AsyncLLMEngine | ReplicatedEngineClient
+
+
+def build_app(engine: ServedEngine, config: ServerConfig) -> FastAPI:
     """The app serving ``engine``; the engine thread runs while the app's lifespan does."""
-    metrics = PrometheusMetrics(lambda: engine.stats, config.served_model_names[0])
-    engine.add_observer(metrics)
+    metrics = _server_metrics(engine, config.served_model_names[0])
     state = ServerState(engine=engine, config=config, metrics=metrics)
 
     @asynccontextmanager
@@ -94,8 +97,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.include_router(_v1_router(state))
-    app.include_router(_service_router(state, __version__))
+    app.include_router(_service_router(state, engine, __version__))
     return app
+
+
+def _server_metrics(engine: ServedEngine, model_name: str) -> MetricsExporter:
+    if isinstance(engine, AsyncLLMEngine):
+        metrics = PrometheusMetrics(lambda: engine.stats, model_name)
+        engine.add_observer(metrics)
+        return metrics
+    return engine.make_metrics(model_name)  # every replica's, labelled by replica
 
 
 def _v1_router(state: ServerState) -> APIRouter:
@@ -122,15 +133,19 @@ def _v1_router(state: ServerState) -> APIRouter:
     return router
 
 
-def _service_router(state: ServerState, version: str) -> APIRouter:
+def _service_router(state: ServerState, engine: ServedEngine, version: str) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
     async def health() -> Response:
-        if not state.engine.is_healthy:
-            reason = state.engine.health_error or "The engine is not running."
-            raise OpenAIError(503, reason, SERVER_ERROR)
-        return Response(status_code=200)
+        if isinstance(engine, AsyncLLMEngine):
+            if not engine.is_healthy:
+                reason = engine.health_error or "The engine is not running."
+                raise OpenAIError(503, reason, SERVER_ERROR)
+            return Response(status_code=200)
+        # Data-parallel: each replica's state; 503 only when none can answer.
+        healthy, body = engine.health_report()
+        return JSONResponse(body, status_code=200 if healthy else 503)
 
     @router.get("/metrics")
     async def metrics() -> Response:
@@ -250,7 +265,7 @@ def _api_key_check(api_key: str | None) -> Any:
 class GracefulServer(uvicorn.Server):
     """uvicorn, plus: abort the engine's requests once the shutdown grace period is over."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: ServedEngine, grace_s: float) -> None:
         super().__init__(config)
         self._engine = engine
         self._grace_s = grace_s
@@ -265,7 +280,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def run_server(
-    engine: AsyncLLMEngine,
+    engine: ServedEngine,
     config: ServerConfig,
     *,
     host: str = "127.0.0.1",

@@ -30,11 +30,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from inflight.engine.async_engine import AsyncLLMEngine, RequestTimeoutError
+from inflight.engine.async_engine import RequestTimeoutError
 from inflight.engine.llm_engine import EngineOverloadedError
+from inflight.engine.protocol import EngineClient, MetricsExporter
 from inflight.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
+    EngineUnavailableError,
     RequestDelta,
     RequestStream,
     StreamDroppedError,
@@ -48,7 +50,6 @@ from inflight.entrypoints.openai.errors import (
     overloaded,
     request_timeout,
 )
-from inflight.metrics.prometheus import PrometheusMetrics
 from inflight.outputs import PromptLogprobs, SampleLogprobs
 from inflight.sampling_params import SamplingParams
 
@@ -87,9 +88,9 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServerState:
-    engine: AsyncLLMEngine
+    engine: EngineClient
     config: ServerConfig
-    metrics: PrometheusMetrics
+    metrics: MetricsExporter
 
     @property
     def model_name(self) -> str:
@@ -125,14 +126,16 @@ def json_response(body: BaseModel) -> Response:
 
 def engine_failure(error: Exception) -> OpenAIError:
     """An engine-side failure while a request was running is a 500, ours not the client's;
-    a request that passed its deadline is a 504."""
+    a request that passed its deadline is a 504; a dead data-parallel replica is a 503
+    (the service is still up: retry)."""
     if isinstance(error, RequestTimeoutError):
         return request_timeout(f"The request timed out: {error}")
-    return OpenAIError(500, f"The engine failed while serving this request: {error}", SERVER_ERROR)
+    status = 503 if isinstance(error, EngineUnavailableError) else 500
+    return OpenAIError(status, f"The engine failed while serving this request: {error}", SERVER_ERROR)
 
 
 async def add_requests(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     base_id: str,
     prompts: Sequence[tuple[str | None, list[int]]],
     params: SamplingParams,
