@@ -409,8 +409,11 @@ class DataParallelEngineClient:
         if flight is None or flight.replica != replica:
             return  # ended already, or retried elsewhere
         if isinstance(item, Failed):
-            error_type = RequestTimeoutError if item.timed_out else EngineDeadError
-            self._finish(flight, error_type(item.message))
+            failure = (
+                RequestTimeoutError(item.timeout_s) if item.timeout_s is not None
+                else EngineDeadError(item.message)
+            )
+            self._finish(flight, failure)
             return
         flight.streamed = True
         self.router.progress(request_id, len(item.token_ids))
@@ -517,8 +520,8 @@ def _rejection_error(rejected: Rejected) -> Exception:
         return EngineUnavailableError(rejected.message)
     if rejected.error_type == "TypeError":
         return TypeError(rejected.message)
-    if rejected.error_type == "EngineOverloadedError":
-        return EngineOverloadedError(rejected.message)
+    if rejected.overloaded is not None:
+        return EngineOverloadedError(*rejected.overloaded)
     return ValueError(rejected.message)
 
 

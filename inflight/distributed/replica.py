@@ -48,8 +48,9 @@ class Rejected:
 
     error_type: str
     message: str
-    timed_out: bool = False  # past its deadline (a 504), not an engine failure
     unavailable: bool = False
+    # EngineOverloadedError's counts: (requests waiting, max_waiting_requests).
+    overloaded: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class Failed:
     """The engine failed the request after accepting it."""
 
     message: str
+    timeout_s: float | None = None  # set when it passed its deadline (a 504)
 
 
 ReplicaItem = RequestDelta | Failed
@@ -123,7 +125,10 @@ class EngineReplica:
             stream = await engine.add_request(
                 request_id, prompt, params, priority=priority, request_timeout=request_timeout
             )
-        except (ValueError, TypeError, EngineOverloadedError) as error:
+        except EngineOverloadedError as error:
+            counts = (error.num_waiting, error.max_waiting_requests)
+            return Rejected(type(error).__name__, str(error), overloaded=counts)
+        except (ValueError, TypeError) as error:
             return Rejected(type(error).__name__, str(error))
         except (EngineShutdownError, EngineDeadError) as error:
             return Rejected(type(error).__name__, str(error), unavailable=True)
@@ -138,8 +143,8 @@ class EngineReplica:
             async for delta in stream:
                 self._outbox.put_nowait((stream.request_id, delta))
         except EngineDeadError as error:
-            timed_out = isinstance(error, RequestTimeoutError)
-            self._outbox.put_nowait((stream.request_id, Failed(str(error), timed_out)))
+            timeout_s = error.timeout_s if isinstance(error, RequestTimeoutError) else None
+            self._outbox.put_nowait((stream.request_id, Failed(str(error), timeout_s)))
         finally:
             self._streams.pop(stream.request_id, None)
             stream.close()
