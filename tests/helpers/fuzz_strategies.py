@@ -93,3 +93,47 @@ def sampling_kwargs(with_junk: bool = True) -> st.SearchStrategy[dict[str, Any]]
         for name, strategy in plausible.items()
     }
     return st.fixed_dictionaries({}, optional=fields)
+
+
+def _valid_structured() -> st.SearchStrategy[dict[str, Any]]:
+    spec = st.one_of(
+        st.builds(lambda r: {"regex": r}, st.sampled_from(["w[0-9]+", "(w1|w2)", "[", "a{0,9}"])),
+        st.builds(lambda c: {"choice": c}, st.lists(st.sampled_from(["w1", "w2 w3"]), min_size=1)),
+        st.builds(lambda j: {"json": j}, st.sampled_from([{"type": "object"}, {"type": "integer"}])),
+        st.just({"json_object": True}),
+        st.just({"grammar": 'start: "w1"'}),
+    )
+    return spec
+
+
+def accepted_sampling_kwargs() -> st.SearchStrategy[dict[str, Any]]:
+    """Keyword arguments ``SamplingParams`` accepts, at the edges of every range (token
+    ids, logprob counts and bad words are checked later, by the engine, against the
+    model: some of them are out of its vocabulary or limits on purpose)."""
+    nonblank = stop_texts.filter(lambda s: s.strip() != "")
+    fields: dict[str, st.SearchStrategy[Any]] = {
+        "n": st.integers(1, 3),
+        "temperature": st.floats(0.0, 2.0) | st.sampled_from([0.0, 1e-6, 1e30]),
+        "top_p": st.floats(1e-9, 1.0),
+        "top_k": st.integers(-1, 600) | st.just(INT64_MAX),
+        "min_p": st.floats(0.0, 1.0),
+        "seed": st.integers(-(2**63), INT64_MAX),
+        "max_tokens": st.none() | st.integers(1, 4),
+        "min_tokens": st.integers(0, 4),
+        "stop": st.lists(stop_texts.filter(bool), max_size=3),
+        "stop_token_ids": st.lists(small_token_ids | st.integers(0, INT64_MAX), max_size=3),
+        "ignore_eos": st.booleans(),
+        "logprobs": st.none() | st.integers(0, 30) | st.just(INT64_MAX),
+        "prompt_logprobs": st.none() | st.integers(0, 30),
+        "presence_penalty": st.floats(-2.0, 2.0),
+        "frequency_penalty": st.floats(-2.0, 2.0),
+        "repetition_penalty": st.floats(1e-6, 1e30),
+        "logit_bias": st.dictionaries(small_token_ids, st.floats(-100.0, 100.0), max_size=5),
+        "allowed_token_ids": st.lists(small_token_ids, min_size=1, max_size=5)
+        | st.lists(small_token_ids, min_size=500, max_size=600),
+        "bad_words": st.lists(nonblank, max_size=3),
+        "skip_special_tokens": st.booleans(),
+        "include_stop_str_in_output": st.booleans(),
+        "structured_outputs": _valid_structured(),
+    }
+    return st.fixed_dictionaries({}, optional=fields)
