@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers.fuzz_strategies import sampling_kwargs
 from hypothesis import HealthCheck, given, settings
 
+from helpers.fuzz_strategies import sampling_kwargs
 from inflight.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 CASES_TRIED = {"built": 0, "refused": 0}

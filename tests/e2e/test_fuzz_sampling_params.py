@@ -15,9 +15,9 @@ import dataclasses
 from typing import Any
 
 import pytest
-from helpers.fuzz_strategies import accepted_sampling_kwargs
 from hypothesis import HealthCheck, given, settings
 
+from helpers.fuzz_strategies import accepted_sampling_kwargs
 from inflight import LLM, SamplingParams
 from inflight.sampling_params import InvalidRequestError
 

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 from fuzz_server import FuzzServer, Tally, check_response
-from helpers.fuzz_strategies import any_text, json_junk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.fuzz_strategies import any_text, json_junk
 from inflight.entrypoints.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS
 
 TALLY = Tally()
