@@ -99,25 +99,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop) or []
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids) or []
         if self.top_k is None:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):  # e.g. from_dict / JSON bodies
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.logit_bias is not None:
             self.logit_bias = _int_keys(self.logit_bias)
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        if self.bad_words is not None:
-            self.bad_words = list(self.bad_words)
+        self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
+        self.bad_words = _as_list("bad_words", self.bad_words)
         self._validate()
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> SamplingParams:
         """Build from a plain dict, rejecting unknown field names by name."""
         known = {f.name for f in fields(cls) if not f.name.startswith("_")}
-        unknown = sorted(set(options) - known)
+        unknown = sorted(set(options) - known, key=repr)  # keys of any type, sortable
         if unknown:
             raise ValueError(
                 f"unknown sampling field(s) {unknown}; known fields: {sorted(known)}"
@@ -222,6 +220,16 @@ class SamplingParams:
                 _fail("bad_words", f"bad_words must be non-empty strings, got {word!r}")
 
 
+def _as_list(name: str, value: Any) -> list[Any] | None:
+    """A list-valued field as a new list (None stays None); a lone string, a mapping or
+    a non-iterable is refused by name rather than split or failing later."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        _fail(name, f"{name} must be a list, got {type(value).__name__} {value!r:.60}")
+    return list(value)
+
+
 def _int_keys(logit_bias: Any) -> dict[int, float]:
     """Token-id keys as ints (JSON sends them as strings), as vLLM's logit_bias."""
     if not isinstance(logit_bias, dict):
@@ -230,7 +238,7 @@ def _int_keys(logit_bias: Any) -> dict[int, float]:
     for key, value in logit_bias.items():
         try:
             token = int(key)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) overflows
             _fail("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
         if isinstance(key, bool) or (isinstance(key, float) and key != token):
             _fail("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
@@ -270,7 +278,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 self.json = _json.loads(self.json)
-            except ValueError as error:
+            except (ValueError, RecursionError) as error:  # too deep: RecursionError
                 _fail_structured(f"json is not valid JSON: {error}")
         self._validate()
 
@@ -278,7 +286,7 @@ class StructuredOutputsParams:
     def from_dict(cls, options: dict[str, Any]) -> StructuredOutputsParams:
         """Build from a plain dict (a request body), rejecting unknown field names."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
+        unknown = sorted(set(options) - known, key=repr)
         if unknown:
             _fail_structured(f"unknown field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**options)

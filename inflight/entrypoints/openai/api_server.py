@@ -38,9 +38,15 @@ from inflight.entrypoints.openai.errors import (
     bad_request,
     install_error_handlers,
 )
+from inflight.entrypoints.openai.openapi import install_request_schemas, request_body
 from inflight.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -98,6 +104,9 @@ def build_app(engine: ServedEngine, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(_v1_router(state))
     app.include_router(_service_router(state, engine, __version__))
+    install_request_schemas(
+        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    )
     return app
 
 
@@ -109,14 +118,36 @@ def _server_metrics(engine: ServedEngine, model_name: str) -> MetricsExporter:
     return engine.make_metrics(model_name)  # every replica's, labelled by replica
 
 
-def _v1_router(state: ServerState) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(state.config.api_key))])
+# What /openapi.json publishes for the routes that read their body themselves.
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse},
+    503: {"model": ErrorResponse, "description": "overloaded (max_waiting_requests; with "
+          "Retry-After) or the engine is unhealthy"},
+    504: {"model": ErrorResponse, "description": "the request passed its request_timeout"},
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
-    @router.post("/completions")
+
+def _v1_router(state: ServerState) -> APIRouter:
+    router = APIRouter(
+        prefix="/v1",
+        dependencies=[Depends(_api_key_check(state.config.api_key))],
+        responses=_ERRORS,
+    )
+
+    @router.post(
+        "/completions",
+        openapi_extra=request_body(CompletionRequest),
+        responses={200: {"model": CompletionResponse, "content": _SSE}},
+    )
     async def completions(raw: Request) -> Response:
         return await create_completion(state, raw)
 
-    @router.post("/chat/completions")
+    @router.post(
+        "/chat/completions",
+        openapi_extra=request_body(ChatCompletionRequest),
+        responses={200: {"model": ChatCompletionResponse, "content": _SSE}},
+    )
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(state, raw)
 
@@ -168,12 +199,20 @@ def _service_router(state: ServerState, engine: ServedEngine, version: str) -> A
             )
         return Response(status_code=200)
 
-    @router.post("/tokenize")
+    @router.post(
+        "/tokenize",
+        openapi_extra=request_body(TokenizeRequest),
+        responses={200: {"model": TokenizeResponse}, **_ERRORS},
+    )
     async def tokenize(raw: Request) -> Response:
         request = await parse_body(raw, TokenizeRequest)
         return json_response(await off_loop(tokenize_request, state, request))
 
-    @router.post("/detokenize")
+    @router.post(
+        "/detokenize",
+        openapi_extra=request_body(DetokenizeRequest),
+        responses={200: {"model": DetokenizeResponse}, **_ERRORS},
+    )
     async def detokenize(raw: Request) -> Response:
         request = await parse_body(raw, DetokenizeRequest)
         state.resolve_model(request.model)

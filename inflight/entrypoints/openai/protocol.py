@@ -372,3 +372,16 @@ class TokenizeResponse(_Response):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """Every 4xx/5xx body (``errors.py``), as published in the OpenAPI schema."""
+
+    error: ErrorInfo
