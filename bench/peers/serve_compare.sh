@@ -3,10 +3,13 @@
 # `inflight bench serve` on one workload, save the report and the server's prefix-cache
 # counters, stop the server. Run it once per engine (and per setting) back to back.
 #
-# usage: serve_compare.sh ENGINE OUT_DIR -- [inflight bench serve options...]
+# usage: serve_compare.sh ENGINE OUT_DIR -- NAME [bench serve options...] [-- NAME [options...]]
 #   ENGINE: inflight | inflight-no-prefix | vllm | vllm-no-prefix
-# Result: OUT_DIR/ENGINE.json (bench serve's report), OUT_DIR/ENGINE.metrics (the server's
-# /metrics after the run), OUT_DIR/ENGINE.server.log.
+#   each "--" group is one `inflight bench serve` run against the same server, in order
+#   (e.g. `-- multi-turn --workload multi-turn --num-prompts 20 -- online-1 --workload online --rate 1`)
+# Result per run: OUT_DIR/ENGINE.NAME.json (bench serve's report) and OUT_DIR/ENGINE.NAME.metrics
+# (the server's /metrics after the run: counters are cumulative over the runs); and
+# OUT_DIR/ENGINE.server.log.
 # Environment (optional):
 #   PEERS_DIR     holds venv-vllm and smollm2-135m-instruct (see README.md next to this)
 #   INFLIGHT_DIR  this checkout (default: two levels above this script)
@@ -14,14 +17,14 @@
 #   BENCH_LOCK    lock file for timed runs (default /tmp/bench.lock)
 #   SERVER_ARGS   extra server flags
 set -euo pipefail
-if [ $# -lt 2 ]; then
-  echo "usage: $0 ENGINE OUT_DIR -- [bench serve options]" >&2
+if [ $# -lt 4 ]; then
+  echo "usage: $0 ENGINE OUT_DIR -- NAME [bench serve options] [-- NAME [options]]..." >&2
   exit 2
 fi
 ENGINE=$1
 OUT_DIR=$2
 shift 2
-[ "${1:-}" = "--" ] && shift
+if [ "${1:-}" = "--" ]; then shift; fi
 HERE=$(cd "$(dirname "$0")" && pwd)
 INFLIGHT_DIR=${INFLIGHT_DIR:-$(cd "$HERE/../.." && pwd)}
 PORT=${PORT:-8011}
@@ -59,8 +62,22 @@ until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
   sleep 2
 done
 echo "== $ENGINE ready after $(( $(date +%s) - started )) s" >&2
-"$INFLIGHT_DIR/.venv/bin/inflight" bench serve --port "$PORT" --bench-lock "$LOCK" \
-  --label "$ENGINE" --result-json "$OUT_DIR/$ENGINE.json" --disable-tqdm "$@"
-curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/$ENGINE.metrics" || true
-grep -E '^(vllm|inflight):prefix_cache_(queries|hits)_total|^(vllm|inflight):prompt_tokens_total' \
-  "$OUT_DIR/$ENGINE.metrics" >&2 || true
+run_bench() {
+  local name=$1
+  shift
+  echo "== $ENGINE / $name: bench serve $*" >&2
+  "$INFLIGHT_DIR/.venv/bin/inflight" bench serve --port "$PORT" --bench-lock "$LOCK" \
+    --label "$ENGINE $name" --result-json "$OUT_DIR/$ENGINE.$name.json" --disable-tqdm "$@"
+  curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/$ENGINE.$name.metrics" || true
+  grep -E '^(vllm|inflight):prefix_cache_(queries|hits)_total' "$OUT_DIR/$ENGINE.$name.metrics" >&2 || true
+}
+group=()
+for arg in "$@"; do
+  if [ "$arg" = "--" ]; then
+    run_bench "${group[@]}"
+    group=()
+  else
+    group+=("$arg")
+  fi
+done
+if [ ${#group[@]} -gt 0 ]; then run_bench "${group[@]}"; fi
