@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,20 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def _quiet_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# Figures that tests measure for the README (soak, storms, fuzzing), shown at the end of
+# the run under "figures" whatever the capture mode, so CI logs carry them.
+_FIGURES: list[str] = []
+
+
+@pytest.fixture
+def report_figure() -> Callable[[str], None]:
+    return _FIGURES.append
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _FIGURES:
+        terminalreporter.section("figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)

@@ -41,7 +41,8 @@ case $ENGINE in
   vllm|vllm-no-prefix)
     : "${PEERS_DIR:?set PEERS_DIR (venv-vllm, smollm2-135m-instruct)}"
     flags=(--model "$PEERS_DIR/smollm2-135m-instruct" --served-model-name SmolLM2-135M-Instruct
-           --dtype bfloat16 --host 127.0.0.1 --port "$PORT")
+           --dtype bfloat16 --host 127.0.0.1 --port "$PORT"
+           --enable-prompt-tokens-details)  # usage.prompt_tokens_details.cached_tokens
     [ "$ENGINE" = vllm-no-prefix ] && flags+=(--no-enable-prefix-caching)
     # Both cores for its OpenMP threads (its default keeps one for the scheduler), 4 GiB KV.
     export VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4

@@ -135,6 +135,7 @@ class LLMEngine:
             pick_device,
             pick_dtype,
             pick_kv_cache_dtype,
+            pick_matmul_dtype,
         )
         from inflight.worker.kv_cache import bytes_per_block
         from inflight.worker.model_runner import ModelRunner
@@ -173,12 +174,17 @@ class LLMEngine:
                 f"quantization='gguf' needs a GGUF file with Q4_0/Q4_1/Q8_0 weights; "
                 f"{path} has none"
             )
+        # Weights are stored and rounded in self.dtype; the matmuls may compute in float32
+        # where this CPU's bfloat16 GEMMs are the slower (the KV cache keeps kv_dtype).
+        self.matmul_dtype = pick_matmul_dtype(
+            self.dtype, self.device, arch.hidden_size, arch.intermediate_size
+        )
         block_rows = block_matmul_rows(
-            config.model.quantization, checkpoint.quantized, self.device, self.dtype
+            config.model.quantization, checkpoint.quantized, self.device, self.matmul_dtype
         )
         model = build_model(
-            arch, checkpoint.weights, self.device, self.dtype, max_model_len,
-            quantized=checkpoint.quantized, block_max_rows=block_rows,
+            arch, checkpoint.weights, self.device, self.matmul_dtype, max_model_len,
+            quantized=checkpoint.quantized, block_max_rows=block_rows, round_to=self.dtype,
         )
         del checkpoint
         self.timings = StepTimings()
@@ -412,9 +418,11 @@ class LLMEngine:
         num_decode_steps = max(1, num_decode_steps)
         length = max(1, min(num_prompt_tokens, self.max_model_len - num_decode_steps - 1,
                             capacity - num_decode_steps))
-        ids = [1 + i % (self.vocab_size - 1) for i in range(length)]
         params = SamplingParams(temperature=0.0, max_tokens=num_decode_steps, ignore_eos=True)
-        self.add_request("inflight-warmup", {"prompt_token_ids": ids}, params)
+        # Two prompts of different lengths: batched prefill and decode, as clients send.
+        for index, size in enumerate((length, max(1, length // 2))):
+            ids = [1 + (index + i) % (self.vocab_size - 1) for i in range(size)]
+            self.add_request(f"inflight-warmup-{index}", {"prompt_token_ids": ids}, params)
         while self.has_unfinished_requests():
             self.step()
         self.kv_cache.reset_prefix_cache()

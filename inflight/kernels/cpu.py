@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 from functools import cache
 from pathlib import Path
 
@@ -23,12 +24,28 @@ logger = logging.getLogger(__name__)
 
 
 def _build_name() -> str:
-    """Extension name with a digest of every source and header: torch's cache only watches
-    the .cpp files, so a changed header must change the name to force a rebuild."""
+    """Extension name with a digest of every source and header (torch's cache only watches
+    the .cpp files, so a changed header must change the name to force a rebuild), of this
+    CPU's feature flags (the build is ``-march=native``: code built for one CPU kind may
+    not run on another that shares the cache), and of the sources' folder (torch's build
+    files hold absolute paths: two checkouts sharing a name rebuild each other's)."""
     digest = hashlib.sha256()
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
+    digest.update(_cpu_flags())
+    digest.update(str(_CSRC.resolve()).encode())
     return f"inflight_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return line.encode()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}".encode()
 
 
 @cache

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from functools import cache
+
 import torch
 from torch import nn
 
@@ -37,6 +42,64 @@ def pick_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+logger = logging.getLogger(__name__)
+
+
+def pick_matmul_dtype(
+    dtype: torch.dtype, device: torch.device, hidden: int, inner: int
+) -> torch.dtype:
+    """The dtype the matmuls compute in, for weights stored (and rounded) in ``dtype``.
+
+    bfloat16 GEMMs are fast only where the CPU has the instructions oneDNN uses for them
+    (AMX; AVX512-BF16 on some parts). On an Intel Xeon with AVX512-BF16 but no AMX,
+    oneDNN's packed bfloat16 GEMM measured ~145 GFLOP/s against ~240 for float32 on 2
+    cores, so there the bfloat16-rounded weights are kept as float32 copies: the same
+    weight values, a float32 compute (closer to the reference, not further), twice the
+    weight memory, and the KV cache stays bfloat16. Decided by timing both on this
+    model's shapes at start-up (about 0.1 s), unless ``INFLIGHT_BF16_MATMUL`` is
+    ``bf16`` or ``fp32``."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return dtype
+    forced = os.environ.get("INFLIGHT_BF16_MATMUL", "auto")
+    if forced not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"INFLIGHT_BF16_MATMUL must be auto, bf16 or fp32, got {forced!r}")
+    if forced != "auto":
+        return torch.float32 if forced == "fp32" else torch.bfloat16
+    bf16_s, fp32_s = _time_gemms(hidden, inner, torch.get_num_threads())
+    choice = torch.float32 if fp32_s < 0.8 * bf16_s else torch.bfloat16
+    logger.info(
+        "bfloat16 weights: one %dx%dx%d GEMM takes %.2f ms in bfloat16, %.2f ms in float32: "
+        "computing in %s", 256, hidden, inner, bf16_s * 1e3, fp32_s * 1e3,
+        "float32" if choice == torch.float32 else "bfloat16",
+    )
+    return choice
+
+
+@cache
+def _time_gemms(hidden: int, inner: int, threads: int) -> tuple[float, float]:
+    """Best-of-5 seconds of a [256, hidden] x [hidden, inner] GEMM: bfloat16 through
+    oneDNN's packed weight (as ``Linear`` runs it), and float32."""
+    del threads  # part of the cache key: the answer depends on it
+    x = torch.randn(256, hidden)
+    w = torch.randn(inner, hidden)
+
+    def best(run: object) -> float:
+        assert callable(run)
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return min(times[2:])
+
+    fp32 = best(lambda: torch.nn.functional.linear(x, w))
+    if not torch.backends.mkldnn.is_available():
+        return float("inf"), fp32
+    x16, packed = x.bfloat16(), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16())
+    bf16 = best(lambda: torch.ops.mkldnn._linear_pointwise(x16, packed, None, "none", [], ""))
+    return bf16, fp32
+
+
 # Largest batch (tokens in a step) that reads GGUF blocks rather than dense weights, by the
 # dense weights' dtype: past it, dense matmuls (AMX for bfloat16, through oneDNN's
 # pre-packed weights) are faster. Measured with `python -m inflight.bench.block_matmul` on
@@ -70,9 +133,14 @@ def build_model(
     arch: LlamaArchConfig, weights: dict[str, torch.Tensor], device: torch.device,
     dtype: torch.dtype, max_positions: int,
     quantized: dict[str, QuantizedWeight] | None = None, block_max_rows: int = 0,
+    round_to: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
-    """Construct (no random init: parameters start empty) and take the weights in."""
+    """Construct (no random init: parameters start empty) and take the weights in, in
+    ``dtype``; with ``round_to``, each weight is first rounded to that dtype (bfloat16
+    weights computed in float32, see :func:`pick_matmul_dtype`)."""
     model = LlamaForCausalLM(arch, max_positions=max_positions)
+    if round_to is not None and round_to != dtype:
+        weights = {name: w.to(round_to) for name, w in weights.items()}
     model.load_hf_weights(weights, dtype, device)
     if quantized and block_max_rows > 0:
         model.use_quantized_weights(quantized, block_max_rows)

@@ -8,6 +8,7 @@ the fuzzer found crashing with other exceptions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,10 +49,10 @@ def test_construction_succeeds_or_names_the_field(kwargs: dict[str, Any]) -> Non
     _assert_usable(params)
 
 
-def test_report_cases_tried() -> None:
+def test_report_cases_tried(report_figure: Callable[[str], None]) -> None:
     """Runs after the property (file order): the figure for the README."""
     total = sum(CASES_TRIED.values())
-    print(f"\nhypothesis SamplingParams cases tried: {total} {CASES_TRIED}")
+    report_figure(f"hypothesis SamplingParams cases tried: {total} {dict(CASES_TRIED)}")
     if total:  # zero when this test runs alone
         assert CASES_TRIED["built"] > 0 and CASES_TRIED["refused"] > 0
 

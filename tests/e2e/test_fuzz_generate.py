@@ -12,6 +12,7 @@ running beside it gives its run-alone output, and every KV block is free afterwa
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -94,10 +95,14 @@ def test_accepted_options_generate_without_disturbing_others(
     assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
 
 
-def test_report_cases_tried(llm: LLM, greedy_alone: list[int]) -> None:
+def test_report_cases_tried(
+    llm: LLM, greedy_alone: list[int], report_figure: Callable[[str], None]
+) -> None:
     """Runs after the property (file order): the figures for the README, and the engine
     still answers a greedy request as it did alone."""
-    print(f"\nhypothesis SamplingParams through the engine: {sum(CASES.values())} {CASES}")
+    report_figure(
+        f"hypothesis SamplingParams through the engine: {sum(CASES.values())} {dict(CASES)}"
+    )
     assert list(llm.generate([GREEDY_PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) \
         == greedy_alone
     if sum(CASES.values()):

@@ -17,6 +17,28 @@ API_KEY = "sk-inflight-test"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """``/metrics`` as {sample name with its labels: value}, plus each family's first
+    sample under the bare family name (the single-engine gauges and counters)."""
+    samples: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+            samples.setdefault(name.split("{")[0], float(value))
+    return samples
+
+
+def abort_count(samples: dict[str, float]) -> float:
+    """Requests that ended aborted, from :func:`scrape_metrics`' labelled samples."""
+    return sum(v for k, v in samples.items() if 'finished_reason="abort"' in k)
+
+
+def words(count: int, offset: int = 0, stride: int = 7) -> str:
+    """A prompt of ``count`` distinct-ish words the tiny tokenizer knows."""
+    return " ".join(f"w{3 + (offset + i * stride) % 500}" for i in range(count))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -21,30 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 from inprocess_server import InProcessServer
-from server_harness import CHAT_TEMPLATE, ServerProcess
+from server_harness import CHAT_TEMPLATE, ServerProcess, abort_count, scrape_metrics, words
 
 from helpers.step_gate import StepGate
 
 HUGE_WORDS = 150_000  # ~1 MB of JSON per request; ~0.4 s to tokenise
 NUM_HUGE = 20
 ABANDONED = 200
-
-
-def words(count: int, offset: int = 0) -> str:
-    return " ".join(f"w{3 + (offset + i * 7) % 500}" for i in range(count))
-
-
-def scrape(url: str) -> dict[str, float]:
-    samples: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name.split("{")[0] if "finished_reason" not in name else name] = float(value)
-    return samples
-
-
-def abort_count(samples: dict[str, float]) -> float:
-    return sum(v for k, v in samples.items() if 'finished_reason="abort"' in k)
 
 
 def huge_body(index: int) -> bytes:
@@ -147,7 +130,7 @@ def test_abandoned_storm_is_aborted_before_it_is_computed(tiny_llama_dir: Path) 
     # abort it (then it would be prefilled as soon as the gate opens).
     gate = StepGate(server.engine, lambda live: not released.is_set(), max_hold_s=120)
     try:
-        before = scrape(server.url)
+        before = scrape_metrics(server.url)
 
         async def abandon(client: httpx.AsyncClient, index: int) -> bool:
             body = {"model": "tiny", "prompt": words(400, offset=index), "max_tokens": 16,
@@ -169,7 +152,7 @@ def test_abandoned_storm_is_aborted_before_it_is_computed(tiny_llama_dir: Path) 
         # server keeps them waiting forever).
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            after = scrape(server.url)
+            after = scrape_metrics(server.url)
             if after["inflight:num_requests_waiting"] == 0 and (
                 after["inflight:num_requests_running"] == 0
             ):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import CHAT_TEMPLATE, ServerProcess
+from server_harness import CHAT_TEMPLATE, ServerProcess, abort_count, scrape_metrics, words
 
 from inflight.engine.async_engine import AsyncLLMEngine
 from inflight.engine.request_stream import StreamDroppedError, StreamLimits
@@ -34,29 +34,11 @@ SEED = 14
 ENGINE_FAILURES = ("Traceback", "ERROR ", "engine step failed", "engine thread died")
 
 
-def words(count: int, offset: int = 0) -> str:
-    return " ".join(f"w{3 + (offset + i * 11) % 500}" for i in range(count))
-
-
-def scrape(url: str) -> dict[str, float]:
-    samples: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            key = name if "finished_reason" in name else name.split("{")[0]
-            samples[key] = float(value)
-    return samples
-
-
-def aborts(samples: dict[str, float]) -> float:
-    return sum(v for k, v in samples.items() if 'finished_reason="abort"' in k)
-
-
 def wait_idle(url: str, timeout_s: float = 60.0) -> dict[str, float]:
     """Scrape until nothing runs, waits or holds a block (the deadline only fails a leak)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        samples = scrape(url)
+        samples = scrape_metrics(url)
         idle = (
             samples["inflight:num_requests_running"] == 0
             and samples["inflight:num_requests_waiting"] == 0
@@ -76,7 +58,7 @@ def assert_idle(samples: dict[str, float]) -> None:
 
 def request_body(index: int, stream: bool) -> tuple[str, dict]:
     """A greedy survivor: chat or completion, short or long prompt, up to 120 tokens."""
-    prompt = words(40 + 60 * (index % 4), offset=index)
+    prompt = words(40 + 60 * (index % 4), offset=index, stride=11)
     body: dict = {"model": "tiny", "max_tokens": 60 + 20 * (index % 4), "temperature": 0,
                   "stream": stream}
     if index % 2:
@@ -103,7 +85,7 @@ async def answer(client: httpx.AsyncClient, route: str, body: dict) -> str:
 
 
 async def hang_up_mid_stream(client: httpx.AsyncClient, index: int, chunks: int) -> None:
-    body = {"model": "tiny", "prompt": words(30, offset=index), "max_tokens": 250,
+    body = {"model": "tiny", "prompt": words(30, offset=index, stride=11), "max_tokens": 250,
             "ignore_eos": True, "temperature": 0, "stream": True}
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -116,7 +98,7 @@ async def hang_up_mid_stream(client: httpx.AsyncClient, index: int, chunks: int)
 
 
 async def give_up(url: str, index: int, timeout_s: float) -> None:
-    body = {"model": "tiny", "prompt": words(300, offset=index), "max_tokens": 200,
+    body = {"model": "tiny", "prompt": words(300, offset=index, stride=11), "max_tokens": 200,
             "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
         try:
@@ -134,7 +116,9 @@ def storm_server(tiny_llama_dir: Path, start_server: Callable[..., ServerProcess
     )
 
 
-def test_disconnect_and_abort_storm(storm_server: ServerProcess) -> None:
+def test_disconnect_and_abort_storm(
+    storm_server: ServerProcess, report_figure: Callable[[str], None]
+) -> None:
     url = storm_server.url
     rng = random.Random(SEED)
     survivors = [request_body(i, stream=bool(i % 3)) for i in range(12)]
@@ -144,7 +128,7 @@ def test_disconnect_and_abort_storm(storm_server: ServerProcess) -> None:
             return [await answer(client, r, {**b, "stream": False}) for r, b in survivors]
 
     alone = asyncio.run(references())
-    before = scrape(url)
+    before = scrape_metrics(url)
     hang_ups = [rng.randint(1, 40) for _ in range(24)]
     timeouts = [rng.uniform(0.05, 2.0) for _ in range(16)]
 
@@ -162,9 +146,15 @@ def test_disconnect_and_abort_storm(storm_server: ServerProcess) -> None:
     assert texts == alone  # survivors never see another request's state
     assert_idle(after)
     # Every hung-up stream asked for 250 tokens and left after at most 40 chunks.
-    assert aborts(after) - aborts(before) >= len(hang_ups)
-    assert after["inflight:num_preemptions_total"] > before["inflight:num_preemptions_total"]
+    assert abort_count(after) - abort_count(before) >= len(hang_ups)
+    preemptions = after["inflight:num_preemptions_total"] - before["inflight:num_preemptions_total"]
+    assert preemptions > 0
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    report_figure(
+        f"fault storm: {len(hang_ups)} mid-stream hang-ups and {len(timeouts)} client "
+        f"give-ups survived ({abort_count(after) - abort_count(before):.0f} aborts, "
+        f"{preemptions:.0f} preemptions), {len(survivors)} survivors correct, 0 blocks leaked"
+    )
     log = storm_server.log()
     assert not [marker for marker in ENGINE_FAILURES if marker in log], log[-4000:]
     # Still serving, and still right.
@@ -186,10 +176,10 @@ def test_unread_stream_is_dropped_while_others_flow(tiny_llama_dir: Path) -> Non
         engine.start()
         try:
             greedy = SamplingParams(max_tokens=40, temperature=0.0)
-            prompt = {"prompt": words(12)}
+            prompt = {"prompt": words(12, stride=11)}
             alone = [d.text async for d in engine.generate("alone", prompt, greedy)]
             long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-            stalled = await engine.add_request("stalled", {"prompt": words(20)}, long)
+            stalled = await engine.add_request("stalled", {"prompt": words(20, stride=11)}, long)
             # The other stream flows to its end while the stalled one is never read.
             beside = [d.text async for d in engine.generate("beside", prompt, greedy)]
             assert "".join(beside) == "".join(alone)
@@ -227,11 +217,11 @@ def test_client_that_never_reads_is_dropped(wide_server: ServerProcess) -> None:
     buffers hold, and never reads a byte. Other requests are served meanwhile; the
     stalled one is aborted and its blocks freed while its socket is still open."""
     url = wide_server.url
-    greedy = {"model": "tiny", "prompt": words(16), "max_tokens": 32, "temperature": 0}
+    greedy = {"model": "tiny", "prompt": words(16, stride=11), "max_tokens": 32, "temperature": 0}
     alone = httpx.post(f"{url}/v1/completions", json=greedy, timeout=60).json()
-    before = scrape(url)
+    before = scrape_metrics(url)
     body = json.dumps({
-        "model": "tiny", "messages": [{"role": "user", "content": words(10)}], "n": 128,
+        "model": "tiny", "messages": [{"role": "user", "content": words(10, stride=11)}], "n": 128,
         "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 1.0, "seed": 3,
     }).encode()
     head = (
@@ -244,7 +234,7 @@ def test_client_that_never_reads_is_dropped(wide_server: ServerProcess) -> None:
         client.sendall(head + body)
         # The stalled request is running: other requests are still answered, correctly.
         deadline = time.monotonic() + 120
-        while scrape(url)["inflight:num_requests_running"] == 0:
+        while scrape_metrics(url)["inflight:num_requests_running"] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         for _ in range(3):
@@ -252,7 +242,7 @@ def test_client_that_never_reads_is_dropped(wide_server: ServerProcess) -> None:
             assert during["choices"][0]["text"] == alone["choices"][0]["text"]
         after = wait_idle(url, timeout_s=120)
         assert_idle(after)  # dropped while the client still holds its socket open
-        assert aborts(after) - aborts(before) == 1
+        assert abort_count(after) - abort_count(before) == 1
     made = after["inflight:generation_tokens_total"] - before["inflight:generation_tokens_total"]
     assert made < 128 * 300  # aborted before the end
     assert "dropping request chatcmpl-" in wide_server.log()

@@ -12,7 +12,7 @@ block is held. Examples are bounded and derandomized so CI runs the same cases e
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,10 +202,12 @@ def test_raw_bodies(
     check_response(server.client.post(path, content=raw, headers=headers), chat, TALLY)
 
 
-def test_engine_healthy_after_fuzzing(server: FuzzServer, greedy_alone: str) -> None:
+def test_engine_healthy_after_fuzzing(
+    server: FuzzServer, greedy_alone: str, report_figure: Callable[[str], None]
+) -> None:
     """Runs after the properties (file order): the engine still serves, unchanged."""
     server.assert_healthy(greedy_alone)
-    print(f"\nhypothesis HTTP cases tried: {TALLY.total} {TALLY.counts}")
+    report_figure(f"hypothesis HTTP cases tried: {TALLY.total} {TALLY.counts}")
     if TALLY.total:  # zero when this test runs alone
         assert TALLY.counts.get("5xx", 0) == 0
         assert TALLY.counts.get("2xx", 0) > 0 and TALLY.counts.get("4xx", 0) > 0

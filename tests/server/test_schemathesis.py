@@ -10,7 +10,7 @@ the response conforming to the published schema. Bounded per operation; derandom
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +72,16 @@ def _operations(server: FuzzServer) -> list[Any]:
     return [result.ok() for result in schema.get_all_operations()]
 
 
-def test_schemathesis_every_operation(server: FuzzServer) -> None:
+def test_schemathesis_every_operation(
+    server: FuzzServer, report_figure: Callable[[str], None]
+) -> None:
     greedy_alone = server.greedy_text()
     operations = _operations(server)
     assert {op.path for op in operations} >= set(BODY_ROUTES)
     for operation in operations:
         for mode in schemathesis.GenerationMode:  # from the schema, then against it
             _fuzz(server, operation, mode)
-    print(f"\nschemathesis cases tried: {TALLY.total} {TALLY.counts}")
+    report_figure(f"schemathesis cases tried: {TALLY.total} {TALLY.counts}")
     assert TALLY.counts.get("5xx", 0) == 0
     server.assert_healthy(greedy_alone)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import CHAT_TEMPLATE, ServerProcess
+from server_harness import CHAT_TEMPLATE, ServerProcess, scrape_metrics
 
 pytestmark = pytest.mark.soak
 
@@ -88,15 +88,6 @@ async def answer(client: httpx.AsyncClient, case: Case, stream: bool) -> str:
     return text
 
 
-def scrape(url: str) -> dict[str, float]:
-    samples: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples.setdefault(name.split("{")[0], float(value))
-    return samples
-
-
 @pytest.fixture(scope="module")
 def soak_server(tiny_llama_dir: Path, start_server: Callable[..., ServerProcess]) -> ServerProcess:
     return start_server(
@@ -106,7 +97,7 @@ def soak_server(tiny_llama_dir: Path, start_server: Callable[..., ServerProcess]
     )
 
 
-def test_soak(soak_server: ServerProcess, capsys: pytest.CaptureFixture[str],
+def test_soak(soak_server: ServerProcess, report_figure: Callable[[str], None],
               record_property: Callable[[str, object], None]) -> None:
     url = soak_server.url
     all_cases = cases()
@@ -129,11 +120,11 @@ def test_soak(soak_server: ServerProcess, capsys: pytest.CaptureFixture[str],
             await asyncio.gather(*(worker(random.Random(SEED + i)) for i in range(NUM_CLIENTS)))
             return alone, served
 
-    before = scrape(url)
+    before = scrape_metrics(url)
     alone, served = asyncio.run(run())
     deadline = time.monotonic() + 60
     while True:
-        after = scrape(url)
+        after = scrape_metrics(url)
         if (after["inflight:num_requests_running"], after["inflight:num_requests_waiting"],
                 after["inflight:num_kv_blocks_used"]) == (0, 0, 0) or time.monotonic() > deadline:
             break
@@ -153,7 +144,8 @@ def test_soak(soak_server: ServerProcess, capsys: pytest.CaptureFixture[str],
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
     record_property("requests_served", len(served))
     record_property("p99_latency_s", round(p99, 3))
-    with capsys.disabled():
-        print(f"\nsoak: {len(served)} requests served in {SOAK_SECONDS:.0f} s by {NUM_CLIENTS} "
-              f"clients, P99 latency {p99:.3f} s, {preemptions:.0f} preemptions, 0 mismatches")
+    report_figure(
+        f"soak: {len(served)} requests served in {SOAK_SECONDS:.0f} s by {NUM_CLIENTS} clients, "
+        f"P99 latency {p99:.3f} s, {preemptions:.0f} preemptions, 0 mismatches, 0 blocks leaked"
+    )
     assert soak_server.process.poll() is None
