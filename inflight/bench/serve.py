@@ -609,6 +609,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": args.workload,
             "num_prompts": len(requests),
             "request_rate": rate_label,
+            "workload_rate": args.rate,  # the rate built into the online workload (--rate)
             "max_concurrency": args.max_concurrency,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             **summary,
