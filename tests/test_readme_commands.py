@@ -218,7 +218,7 @@ def check_readme(readme: Path, ws: Workspace, peers: bool) -> None:
     cwd = previous = ws.tmp
     for command in commands:
         tokens = command.tokens
-        while tokens and re.match(r"^[A-Z_]+=", tokens[0]):
+        while tokens and re.match(r"^[A-Z_][A-Z0-9_]*=", tokens[0]):
             tokens = tokens[1:]  # environment assignments
         program = tokens[0]
         if program == "cd":
