@@ -53,10 +53,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from inflight.core.request import Request, RequestStatus
+from inflight.core.request import RequestStatus
+from inflight.engine.live_request import LiveRequest
 from inflight.engine.llm_engine import EngineOverloadedError, LLMEngine, PromptInput
 from inflight.engine.loop_delivery import Outbox, deliver_on_loop
 from inflight.engine.request_stream import (
@@ -69,13 +70,12 @@ from inflight.engine.request_stream import (
 )
 from inflight.metrics.stats import (
     EngineStats,
-    FinishedRequestStats,
     PrefixCacheStats,
     StatObserver,
     StatsRecorder,
     StepStats,
 )
-from inflight.outputs import CompletionOutput, RequestOutput
+from inflight.outputs import RequestOutput
 from inflight.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -132,31 +132,6 @@ class _Shutdown:
 _Command = _Add | _Abort | _ResetPrefixCache | _Shutdown
 
 
-@dataclass(slots=True)
-class _Live:
-    """Engine-thread bookkeeping for one request in flight."""
-
-    stream: RequestStream
-    request: Request  # the scheduler's record: read only, to see when it is first scheduled
-    num_prompt_tokens: int
-    arrival_time: float
-    holdback: int  # characters kept back while streaming, so a stop string is never sent
-    n: int = 1
-    # Per completion index: tokens and characters already sent, and whether it ended.
-    sent_token_counts: list[int] = field(default_factory=lambda: [0])
-    sent_char_counts: list[int] = field(default_factory=lambda: [0])
-    ended: list[bool] = field(default_factory=lambda: [False])
-    sent_prompt_logprobs: bool = False
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    timeout_s: float | None = None
-
-    @property
-    def sent_tokens(self) -> int:
-        return sum(self.sent_token_counts)
-
-
 # ---------------------------------------------------------------------- the engine
 
 
@@ -200,8 +175,8 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._live: dict[str, _Live] = {}
-        self._unscheduled: dict[str, _Live] = {}  # accepted, never scheduled yet
+        self._live: dict[str, LiveRequest] = {}
+        self._unscheduled: dict[str, LiveRequest] = {}  # accepted, never scheduled yet
         self._kv_cache_populated = False
         self._recorder = StatsRecorder(engine.max_model_len)
         self._cache_config_info = _cache_config_info(engine)
@@ -493,7 +468,7 @@ class AsyncLLMEngine:
         request = self._engine.get_request(command.request_id)
         stops = command.params.stop or []
         n = command.params.n
-        live = _Live(
+        live = LiveRequest(
             stream=command.stream,
             request=request,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -570,11 +545,11 @@ class AsyncLLMEngine:
             live.last_token_time = step.time
         deltas = [
             d for c in output.outputs
-            if (d := self._completion_delta(live, output, c)) is not None
+            if (d := live.delta(output, c)) is not None
         ]
         if output.finished:
             if not deltas:  # nothing new: still end the stream with a final delta
-                deltas = [self._completion_delta(live, output, output.outputs[-1], force=True)]  # type: ignore[list-item]
+                deltas = [live.delta(output, output.outputs[-1], force=True)]  # type: ignore[list-item]
             *rest, last = deltas
             for delta in rest:
                 outbox.deliver(live.stream, delta)
@@ -584,51 +559,6 @@ class AsyncLLMEngine:
         else:
             for delta in deltas:
                 outbox.deliver(live.stream, delta)
-
-    def _completion_delta(
-        self, live: _Live, output: RequestOutput, completion: CompletionOutput,
-        force: bool = False,
-    ) -> RequestDelta | None:
-        """What completion ``index`` produced since its last delta; None if nothing (and
-        the request has one completion only: then every output makes a delta, as before)."""
-        index = completion.index
-        sent_tokens = live.sent_token_counts[index]
-        new_ids = completion.token_ids[sent_tokens:]
-        text = completion.text
-        sent_chars = live.sent_char_counts[index]
-        # Hold back the tail that could be the start of a stop string: if the string
-        # completes later the engine cuts the text there, and sent text cannot be unsent.
-        done = completion.finish_reason is not None
-        visible = len(text) if done or output.finished else max(sent_chars, len(text) - live.holdback)
-        newly_ended = done and not live.ended[index]
-        if live.n > 1 and not (force or new_ids or visible > sent_chars or newly_ended):
-            return None
-        prompt_logprobs = None
-        if not live.sent_prompt_logprobs and output.prompt_logprobs is not None:
-            prompt_logprobs = output.prompt_logprobs
-            live.sent_prompt_logprobs = True
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = completion.logprobs[sent_tokens : sent_tokens + len(new_ids)]
-        delta = RequestDelta(
-            request_id=output.request_id,
-            text=text[sent_chars:visible],
-            token_ids=list(new_ids),
-            num_prompt_tokens=live.num_prompt_tokens,
-            num_output_tokens=len(completion.token_ids),
-            finished=output.finished and live.n == 1,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            index=index,
-            logprobs=logprobs,
-            cumulative_logprob=completion.cumulative_logprob,
-            prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=output.num_cached_tokens,
-        )
-        live.sent_token_counts[index] = len(completion.token_ids)
-        live.sent_char_counts[index] = max(sent_chars, visible)
-        live.ended[index] = done
-        return delta
 
     def _abort_live(self, request_ids: list[str] | None, outbox: Outbox) -> None:
         for request_id in list(self._live) if request_ids is None else request_ids:
@@ -658,7 +588,7 @@ class AsyncLLMEngine:
             except Exception:  # after a failed step; the request must still end
                 logger.exception("aborting %s failed", request_id)
         outbox.deliver(live.stream, final)
-        stats = _finished_stats(live, reason, time.monotonic())
+        stats = live.finished_stats(reason, time.monotonic())
         self._recorder.record_finished(stats)
         for observer in self._observers:
             try:
@@ -716,35 +646,6 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 outbox.resolve(command.accepted, failure)
         self._send(outbox)
-
-
-def _finished_stats(live: _Live, reason: str, now: float) -> FinishedRequestStats:
-    """The request's intervals (vLLM's definitions); one never reached is 0."""
-    scheduled = live.first_scheduled_time
-    first, last = live.first_token_time, live.last_token_time
-    ttft = None if first is None else first - live.arrival_time
-    tpot = None
-    if first is not None and last is not None and live.sent_tokens > 1:
-        tpot = (last - first) / (live.sent_tokens - 1)
-    queue = (now if scheduled is None else scheduled) - live.arrival_time
-    # Without a token, prefill and inference run until the request ended (an abort).
-    prefill = 0.0 if scheduled is None else (now if first is None else first) - scheduled
-    inference = 0.0 if scheduled is None else (now if last is None else last) - scheduled
-    decode = 0.0 if first is None or last is None else last - first
-    return FinishedRequestStats(
-        finish_reason=reason,
-        num_prompt_tokens=live.num_prompt_tokens,
-        num_output_tokens=live.sent_tokens,
-        e2e_latency=now - live.arrival_time,
-        time_to_first_token=ttft,
-        time_per_output_token=tpot,
-        queue_time=queue,
-        prefill_time=prefill,
-        decode_time=decode,
-        inference_time=inference,
-        max_tokens_param=live.request.max_output_tokens,
-        n=live.n,
-    )
 
 
 def _cache_config_info(engine: LLMEngine) -> tuple[tuple[str, str], ...]:

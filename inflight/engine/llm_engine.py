@@ -46,12 +46,12 @@ from inflight.core.interface import (
     PromptLogprobsChunk,
     RequestUpdate,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from inflight.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from inflight.core.request import Request, RequestStatus
 from inflight.core.scheduler import Scheduler
 from inflight.engine.detokenizer import IncrementalDetokenizer
+from inflight.engine.logprobs_decoder import LogprobsDecoder
 from inflight.engine.request_checks import (
     bad_words_token_ids,
     cache_salt_of,
@@ -62,8 +62,6 @@ from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import StepTrace, record_step
 from inflight.outputs import (
     CompletionOutput,
-    Logprob,
-    PositionLogprobs,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -206,8 +204,7 @@ class LLMEngine:
         self._parents: dict[str, _ParentState] = {}
         self._child_of: dict[str, tuple[str, int]] = {}  # child id -> (parent id, index)
         self._trace_origin = time.monotonic()
-        self._token_texts: dict[int, str] = {}  # logprobs' decoded tokens, by id
-        self._decode_anchor: list[int] | None = None
+        self._logprobs_decoder = LogprobsDecoder(self.tokenizer)
         self._next_id = 0
 
     @classmethod
@@ -480,7 +477,7 @@ class LLMEngine:
         if state.logprobs is not None and update.new_token_ids:
             entry = runner_output.logprobs.get(update.request_id)
             if entry is not None:
-                state.logprobs.append(self._position_logprobs(entry))
+                state.logprobs.append(self._logprobs_decoder.position(entry))
                 state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry.logprob
         if update.new_token_ids:
             if metrics.first_token_time is None:
@@ -535,36 +532,7 @@ class LLMEngine:
             prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
         )
 
-    # ------------------------------------------------------------------ logprobs, n > 1
-
-    def _position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
-        """vLLM's shape: the chosen token first, then the top k (ranks 1..k)."""
-        decode = self._decode_token
-        out = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
-        for rank, (token, logprob) in enumerate(
-            zip(entry.top_token_ids, entry.top_logprobs, strict=True), start=1
-        ):
-            if token not in out:
-                out[token] = Logprob(logprob, rank, decode(token))
-        return out
-
-    def _decode_token(self, token_id: int) -> str:
-        """A token's text as it reads inside a sequence, leading space included (decoding
-        it alone drops SentencePiece's word-start space): the difference between decoding
-        an anchor token with and without it after. Cached per id."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            if self._decode_anchor is None:
-                self._decode_anchor = list(self.tokenizer.encode("a", add_special_tokens=False))
-            anchor = self._decode_anchor
-            base = str(self.tokenizer.decode(anchor))
-            full = str(self.tokenizer.decode([*anchor, token_id]))
-            text = (
-                full[len(base):] if anchor and full.startswith(base)
-                else str(self.tokenizer.decode([token_id]))
-            )
-            self._token_texts[token_id] = text
-        return text
+    # ------------------------------------------------------------------ prompt logprobs, n > 1
 
     def _take_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
         """Store each position once (a preempted request recomputes its prompt)."""
@@ -575,7 +543,7 @@ class LLMEngine:
             for offset, entry in enumerate(chunk.entries):
                 position = chunk.first_position + offset
                 if state.prompt_logprobs[position] is None:
-                    state.prompt_logprobs[position] = self._position_logprobs(entry)
+                    state.prompt_logprobs[position] = self._logprobs_decoder.position(entry)
 
     def _merge_child(self, output: RequestOutput) -> RequestOutput | None:
         """Fold a child's output into its parent's; the parent's output when there is one
