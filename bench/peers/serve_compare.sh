@@ -16,6 +16,10 @@
 #   PORT          (default 8011)
 #   BENCH_LOCK    lock file for timed runs (default /tmp/bench.lock)
 #   SERVER_ARGS   extra server flags
+#   CLIENT        inflight (default): `inflight bench serve`; vllm: vLLM's own client
+#                 (`vllm bench serve`, through vllm_serve_client.py in PEERS_DIR/venv-vllm),
+#                 which takes --workload, --rate and --num-prompts from each group and
+#                 writes OUT_DIR/ENGINE.NAME.vllm-client.json (vLLM's result format)
 set -euo pipefail
 if [ $# -lt 4 ]; then
   echo "usage: $0 ENGINE OUT_DIR -- NAME [bench serve options] [-- NAME [options]]..." >&2
@@ -63,12 +67,36 @@ until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
   sleep 2
 done
 echo "== $ENGINE ready after $(( $(date +%s) - started )) s" >&2
+run_vllm_client() {
+  local name=$1 workload="" rate="" num=0
+  shift
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --workload) workload=$2; shift 2 ;;
+      --rate) rate=$2; shift 2 ;;
+      --num-prompts) num=$2; shift 2 ;;
+      *) echo "CLIENT=vllm takes only --workload, --rate, --num-prompts (got $1)" >&2; exit 2 ;;
+    esac
+  done
+  : "${PEERS_DIR:?set PEERS_DIR (venv-vllm, smollm2-135m-instruct)}"
+  local file=$OUT_DIR/workload_$workload.jsonl
+  [ -f "$file" ] || "$INFLIGHT_DIR/.venv/bin/inflight" bench workload "$workload" -o "$file"
+  echo "== $ENGINE / $name: vllm bench serve, $workload[:$num] at $rate req/s" >&2
+  flock "$LOCK" "$PEERS_DIR/venv-vllm/bin/python" "$HERE/vllm_serve_client.py" \
+    --workload "$file" --tokenizer "$PEERS_DIR/smollm2-135m-instruct" --port "$PORT" \
+    --rate "$rate" --num-prompts "$num" --label "$ENGINE $name" \
+    --result "$OUT_DIR/$ENGINE.$name.vllm-client.json"
+}
 run_bench() {
   local name=$1
   shift
-  echo "== $ENGINE / $name: bench serve $*" >&2
-  "$INFLIGHT_DIR/.venv/bin/inflight" bench serve --port "$PORT" --bench-lock "$LOCK" \
-    --label "$ENGINE $name" --result-json "$OUT_DIR/$ENGINE.$name.json" --disable-tqdm "$@"
+  if [ "${CLIENT:-inflight}" = vllm ]; then
+    run_vllm_client "$name" "$@"
+  else
+    echo "== $ENGINE / $name: bench serve $*" >&2
+    "$INFLIGHT_DIR/.venv/bin/inflight" bench serve --port "$PORT" --bench-lock "$LOCK" \
+      --label "$ENGINE $name" --result-json "$OUT_DIR/$ENGINE.$name.json" --disable-tqdm "$@"
+  fi
   curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/$ENGINE.$name.metrics" || true
   grep -E '^(vllm|inflight):prefix_cache_(queries|hits)_total' "$OUT_DIR/$ENGINE.$name.metrics" >&2 || true
 }

@@ -10,6 +10,8 @@ Each result is one engine at one rate. The engine is the first word of the resul
 the label (``online-0.5``). Prints a Markdown table (TTFT and TPOT P50 / P99, goodput:
 requests per second that met both ``--ttft-slo`` and ``--tpot-slo``, as in vLLM's
 ``--goodput``) and draws P99 TTFT and P99 TPOT against the rate, one line per engine.
+Results of vLLM's own client (``bench/peers/vllm_serve_client.py``) are read too, as
+"ENGINE [vllm client]", with the goodput that client computed.
 """
 
 from __future__ import annotations
@@ -53,13 +55,25 @@ def load_point(path: Path, ttft_slo_s: float, tpot_slo_s: float) -> RatePoint:
         if match is None:
             raise ValueError(f"{path}: no workload_rate, request_rate or rate ending the label")
         rate = float(match.group(1))
+    engine = label.split()[0]
+    if "requests" not in data and "request_goodput" in data:
+        # vLLM's own client (`vllm bench serve`, see bench/peers/vllm_serve_client.py): no
+        # per-request records; its goodput was computed with the targets it was given.
+        duration = float(data["duration"])
+        return RatePoint(
+            engine=f"{engine} [vllm client]", rate=float(rate),
+            ttft_p50_ms=data["median_ttft_ms"], ttft_p99_ms=data["p99_ttft_ms"],
+            tpot_p50_ms=data["median_tpot_ms"], tpot_p99_ms=data["p99_tpot_ms"],
+            good=round((data["request_goodput"] or 0.0) * duration),
+            total=int(data["completed"]) + int(data.get("failed") or 0), duration_s=duration,
+        )
     requests = data.get("requests", [])
     good = sum(
         1 for r in requests
         if r.get("ok") and r["ttft"] <= ttft_slo_s and (r.get("tpot") or 0.0) <= tpot_slo_s
     )
     return RatePoint(
-        engine=label.split()[0], rate=float(rate),
+        engine=engine, rate=float(rate),
         ttft_p50_ms=data["median_ttft_ms"], ttft_p99_ms=data["p99_ttft_ms"],
         tpot_p50_ms=data["median_tpot_ms"], tpot_p99_ms=data["p99_tpot_ms"],
         good=good, total=len(requests), duration_s=data["duration_s"],

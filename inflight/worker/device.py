@@ -56,7 +56,7 @@ def pick_matmul_dtype(
     cores, so there the bfloat16-rounded weights are kept as float32 copies: the same
     weight values, a float32 compute (closer to the reference, not further), twice the
     weight memory, and the KV cache stays bfloat16. Decided by timing both on this
-    model's shapes at start-up (about 0.1 s), unless ``INFLIGHT_BF16_MATMUL`` is
+    model's shapes at start-up (about 0.1 s, one thread), unless ``INFLIGHT_BF16_MATMUL`` is
     ``bf16`` or ``fp32``."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return dtype
@@ -65,21 +65,26 @@ def pick_matmul_dtype(
         raise ValueError(f"INFLIGHT_BF16_MATMUL must be auto, bf16 or fp32, got {forced!r}")
     if forced != "auto":
         return torch.float32 if forced == "fp32" else torch.bfloat16
-    bf16_s, fp32_s = _time_gemms(hidden, inner, torch.get_num_threads())
+    bf16_s, fp32_s = _time_gemms(hidden, inner)
     choice = torch.float32 if fp32_s < 0.8 * bf16_s else torch.bfloat16
     logger.info(
-        "bfloat16 weights: one %dx%dx%d GEMM takes %.2f ms in bfloat16, %.2f ms in float32: "
-        "computing in %s", 256, hidden, inner, bf16_s * 1e3, fp32_s * 1e3,
+        "bfloat16 weights: one %dx%dx%d GEMM on one thread takes %.2f ms of CPU in bfloat16, "
+        "%.2f ms in float32: computing in %s", 256, hidden, inner, bf16_s * 1e3, fp32_s * 1e3,
         "float32" if choice == torch.float32 else "bfloat16",
     )
     return choice
 
 
 @cache
-def _time_gemms(hidden: int, inner: int, threads: int) -> tuple[float, float]:
-    """Best-of-5 seconds of a [256, hidden] x [hidden, inner] GEMM: bfloat16 through
-    oneDNN's packed weight (as ``Linear`` runs it), and float32."""
-    del threads  # part of the cache key: the answer depends on it
+def _time_gemms(hidden: int, inner: int) -> tuple[float, float]:
+    """Best-of-5 CPU seconds of a [256, hidden] x [hidden, inner] GEMM on one thread:
+    bfloat16 through oneDNN's packed weight (as ``Linear`` runs it), and float32.
+
+    One thread and its CPU time (not wall time): the ratio is the cores' own (bfloat16
+    dot products run at half the float32 FMA rate on some CPUs without AMX, twice it on
+    others), and a busy machine must not tip the choice. Measured with wall time on 2
+    threads while other processes ran, float32 once looked 1.3x slower than bfloat16 when
+    it is 1.5x faster."""
     x = torch.randn(256, hidden)
     w = torch.randn(inner, hidden)
 
@@ -87,16 +92,23 @@ def _time_gemms(hidden: int, inner: int, threads: int) -> tuple[float, float]:
         assert callable(run)
         times = []
         for _ in range(7):
-            start = time.perf_counter()
+            start = time.thread_time()
             run()
-            times.append(time.perf_counter() - start)
+            times.append(time.thread_time() - start)
         return min(times[2:])
 
-    fp32 = best(lambda: torch.nn.functional.linear(x, w))
-    if not torch.backends.mkldnn.is_available():
-        return float("inf"), fp32
-    x16, packed = x.bfloat16(), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16())
-    bf16 = best(lambda: torch.ops.mkldnn._linear_pointwise(x16, packed, None, "none", [], ""))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32 = best(lambda: torch.nn.functional.linear(x, w))
+        if not torch.backends.mkldnn.is_available():
+            return float("inf"), fp32
+        x16, packed = x.bfloat16(), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16())
+        bf16 = best(
+            lambda: torch.ops.mkldnn._linear_pointwise(x16, packed, None, "none", [], "")
+        )
+    finally:
+        torch.set_num_threads(threads)
     return bf16, fp32
 
 

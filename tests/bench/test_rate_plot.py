@@ -58,3 +58,20 @@ def test_table_sorted_by_rate_and_picture_written(tmp_path: Path) -> None:
     out = tmp_path / "plot.png"
     assert main([*map(str, paths), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vllm_client_result_uses_its_own_goodput(tmp_path: Path) -> None:
+    """vLLM's `vllm bench serve --save-result` file (its key names: duration, completed,
+    failed, request_goodput in requests/s) has no per-request records."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({
+        "label": "inflight-no-prefix online-1", "workload_rate": 1.0, "client": "vllm bench serve",
+        "duration": 40.0, "completed": 39, "failed": 1, "request_goodput": 0.75,
+        "median_ttft_ms": 300.0, "p99_ttft_ms": 1800.0, "median_tpot_ms": 60.0,
+        "p99_tpot_ms": 120.0,
+    }))
+    point = load_point(path, ttft_slo_s=2.0, tpot_slo_s=0.25)
+    assert point.engine == "inflight-no-prefix [vllm client]"
+    assert (point.rate, point.good, point.total) == (1.0, 30, 40)
+    assert point.goodput == pytest.approx(0.75)
+    assert point.ttft_p99_ms == 1800.0
