@@ -30,14 +30,17 @@ def dense_reference(q_all, k_all, v_all, context_len, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
 
 
-def make_step(seed: int, kv_dtype: torch.dtype, block_size: int):
+def make_step(
+    seed: int, kv_dtype: torch.dtype, block_size: int,
+    shapes: list[tuple[int, int]] | None = None,
+):
     """A random mixed step: (cached prefix, new chunk) per sequence, blocks shuffled."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     # decode tokens, a fresh prompt (nothing cached) and two continued prompt chunks
-    shapes = [(rng.randrange(0, 40), 1) for _ in range(4)] + [(0, rng.randrange(2, 37))] + [
-        (rng.randrange(1, 30), rng.randrange(2, 37)) for _ in range(2)
-    ]
+    shapes = shapes or [(rng.randrange(0, 40), 1) for _ in range(4)] + [
+        (0, rng.randrange(2, 37))
+    ] + [(rng.randrange(1, 30), rng.randrange(2, 37)) for _ in range(2)]
     rng.shuffle(shapes)
     free_blocks = list(range(NUM_BLOCKS))
     rng.shuffle(free_blocks)
@@ -121,6 +124,34 @@ def test_paged_attention_matches_dense(backend, kv_dtype, block_size, seed):
         expected = dense_reference(q[offset : offset + new], k_ref, v_ref, total, scale)
         torch.testing.assert_close(out[offset : offset + new], expected, atol=tolerance, rtol=tolerance)
         offset += new
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_lone_decode_token_split_over_threads(kv_dtype):
+    """One sequence decoding alone (fewer sequences than threads): the kernel splits the
+    token's KV heads between threads; the result must not change."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        step, q, k_new, v_new, k_cache, v_cache, scales, per_seq = make_step(
+            7, kv_dtype, 16, shapes=[(70, 1)]
+        )
+        k_scale, v_scale = scales if scales is not None else (None, None)
+        inputs = build_model_inputs(step, 16, torch.device("cpu"), **BACKENDS["cpp-decode"])
+        write_kv(k_cache, v_cache, k_new, v_new, inputs.attention, k_scale, v_scale)
+        out = paged_attention(
+            q, k_new, v_new, k_cache, v_cache, inputs.attention, HEAD_DIM**-0.5, k_scale, v_scale
+        )
+    finally:
+        torch.set_num_threads(threads)
+    k_all, v_all, total, _ = per_seq[0]
+    expected = dense_reference(
+        q, as_stored(k_all, kv_dtype), as_stored(v_all, kv_dtype), total, HEAD_DIM**-0.5
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5 if kv_dtype == torch.float32 else 3e-2,
+                               rtol=1e-5 if kv_dtype == torch.float32 else 3e-2)
 
 
 def test_prompt_chunks_are_routed_by_start_and_length():

@@ -356,12 +356,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
   std::vector<WorkItem> items;
   std::vector<int64_t> costs;  // query rows x keys seen, the item's share of the work
+  // Fewer sequences than threads (one sequence decoding alone): split decode tokens by
+  // KV head too, or all but one thread would wait.
+  const bool whole_decode_tokens = seq_lens.size(0) >= at::get_num_threads();
   for (int32_t s = 0; s < seq_lens.size(0); ++s) {
     const int32_t q_len = starts[s + 1] - starts[s];
     for (int32_t b = 0; b < q_len; b += kQueryTile) {
       const int32_t e = std::min<int32_t>(q_len, b + kQueryTile);
       const int64_t cost = static_cast<int64_t>(e - b) * (lens[s] - q_len + e);
-      if (q_len == 1) {
+      if (q_len == 1 && whole_decode_tokens) {
         // A decode token: all KV heads in one item, one after the other, so the cache
         // lines of a block (its heads sit side by side) are read by one core in order.
         items.push_back({s, b, e, 0, static_cast<int32_t>(shape.num_kv_heads)});
