@@ -86,9 +86,12 @@ class MachinePeaks:
     amx: bool
 
     def compute_gflops(self, dtype: torch.dtype) -> float:
-        """The compute roof for arithmetic in ``dtype`` (float32 units otherwise)."""
-        if dtype == torch.bfloat16 and self.bf16_gflops > 0:
-            return self.bf16_gflops
+        """The compute roof for arithmetic on ``dtype`` operands: float32 FMA, or for
+        bfloat16 the faster of vdpbf16ps and float32 FMA on converted operands (without
+        AMX, vdpbf16ps can be the slower: a roof must bound whichever a library picks).
+        With AMX the true bfloat16 roof is higher than either (see :func:`format_peaks`)."""
+        if dtype == torch.bfloat16:
+            return max(self.bf16_gflops, self.fp32_gflops)
         return self.fp32_gflops
 
 
@@ -485,6 +488,8 @@ def format_peaks(peaks: MachinePeaks) -> str:
         f"peaks: memory read {peaks.memory_gbps:.1f} GB/s, float32 FMA "
         f"{peaks.fp32_gflops:.0f} GFLOP/s (PyTorch float32 GEMM reaches "
         f"{peaks.library_fp32_gemm_gflops:.0f}), bfloat16 dot {bf16} GFLOP/s",
+        *(["note: AMX is not measured: bfloat16 matmul fractions may exceed 1"]
+          if peaks.amx else []),
     ])
 
 
