@@ -418,6 +418,7 @@ class KernelBound:
     bytes: float
     bound: str  # "compute" or "memory"
     roofline_s: float
+    ledger_calls: int = 0  # the calls the ledger expected from the steps' shapes
 
     @property
     def achieved_gflops(self) -> float:
@@ -475,7 +476,7 @@ def kernel_bounds(ledger: KernelWork, events: Iterable[Any], forward_s: float) -
         calls, seconds = times.get(kernel, (0, 0.0))
         rows.append(KernelBound(
             kernel, calls, seconds, seconds / forward_s if forward_s > 0 else 0.0,
-            tally.flops, tally.bytes, tally.bound, tally.roofline_s,
+            tally.flops, tally.bytes, tally.bound, tally.roofline_s, tally.calls,
         ))
     return rows
 

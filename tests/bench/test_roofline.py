@@ -208,5 +208,8 @@ def test_bench_profile_lists_each_kernel_against_its_bound(
     assert rows["rms_norm"]["calls"] == run["num_steps"] * (2 * layers + 1)
     assert rows["linear (dense)"]["calls"] == run["num_steps"] * (4 * layers + 1)
     assert rows["paged_attention"]["calls"] == (run["num_steps"] - 1) * layers
+    # the ledger's analytic calls (paths, groups) agree with what the profiler saw run
+    for row in rows.values():
+        assert row["calls"] == row["ledger_calls"], row["kernel"]
     table = (tmp_path / "profile_inflight_continuous.txt").read_text()
     assert "peaks: memory read" in table and "fraction" in table and "paged_attention" in table
