@@ -49,6 +49,7 @@ from inflight.bench.workloads import (
 from inflight.engine.step_trace import StepRecord
 
 if TYPE_CHECKING:
+    from inflight.bench.roofline import KernelWork
     from inflight.engine.llm_engine import LLMEngine
     from inflight.outputs import RequestOutput
 
@@ -125,7 +126,8 @@ def run_inflight(
     """Run ``workload`` through ``LLM.generate`` once, timed, with the step trace on.
 
     With ``profile`` the timed run is also recorded by torch's profiler (which slows it a
-    little) and its per-op table is returned.
+    little) and its per-op table is returned, followed by each kernel's time against its
+    roofline bound (also in the report's ``kernel_bounds``; see ``roofline``).
     """
     set_threads(threads)
     from inflight import LLM, SamplingParams
@@ -143,6 +145,7 @@ def run_inflight(
         engine.populate_kv_cache()
     preemptions_before = engine.scheduler.num_preemptions
 
+    ledger = _attach_work_ledger(engine) if profile else None
     engine.timings.reset()
     with _maybe_profile(profile) as profiler:
         started = time.perf_counter()
@@ -150,9 +153,14 @@ def run_inflight(
             engine, workload, use_tqdm=use_tqdm, sampling_extras=sampling_extras
         )
         wall = time.perf_counter() - started
+    engine.runner.work_ledger = None
     profile_table = None
+    kernel_bounds = None
     if profiler is not None:
         profile_table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        if ledger is not None:
+            bounds_table, kernel_bounds = _kernel_bounds(ledger, profiler, engine.timings.forward_s)
+            profile_table += "\n\n" + bounds_table + "\n"
 
     latencies = []
     for request, output in zip(workload.requests, outputs, strict=True):
@@ -201,7 +209,28 @@ def run_inflight(
         },
         num_cached_tokens=sum(o.num_cached_tokens for o in outputs),
     )
+    report.kernel_bounds = kernel_bounds
     return RunResult(report, records, folded, profile_table)
+
+
+def _attach_work_ledger(engine: LLMEngine) -> KernelWork:
+    """Measure the machine's peaks (a few seconds, before timing) and let the model runner
+    account every step's work per kernel (see ``roofline``)."""
+    from inflight.bench.roofline import KernelWork, measure_peaks
+
+    ledger = KernelWork.for_runner(engine.runner, measure_peaks())
+    engine.runner.work_ledger = ledger
+    return ledger
+
+
+def _kernel_bounds(
+    ledger: KernelWork, profiler: Any, forward_s: float
+) -> tuple[str, dict[str, Any]]:
+    """The kernels-against-roofline table and its JSON form."""
+    from inflight.bench.roofline import bounds_json, format_kernel_bounds, kernel_bounds
+
+    rows = kernel_bounds(ledger, profiler.events(), forward_s)
+    return format_kernel_bounds(ledger.peaks, rows), bounds_json(ledger.peaks, rows)
 
 
 # --sampling-extras: OpenAI/vLLM options a chat front-end or an eval harness sends.

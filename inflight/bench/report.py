@@ -157,6 +157,8 @@ class BenchReport:
     # prefill chunks (prompt - cached, plus any recomputation after preemption).
     num_cached_tokens: int = 0
     num_prefill_tokens_computed: int = 0
+    # with --profile: machine peaks and each kernel against its roofline (bench/roofline.py)
+    kernel_bounds: dict | None = None
 
     @property
     def cached_share(self) -> float:

@@ -143,3 +143,9 @@ def rope_write_kv(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first)."""
     return torch.ops.inflight.silu_mul(gate_up)
+
+
+def peak_gflops(kind: str, seconds: float) -> float:
+    """GFLOP/s this CPU's threads reach in a register-only loop of ``kind`` ("fp32_fma" or
+    "bf16_dot") for ``seconds`` (see csrc/peak_probe.cpp); 0 when the CPU lacks it."""
+    return float(torch.ops.inflight.peak_gflops(kind, seconds))

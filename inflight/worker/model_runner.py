@@ -38,6 +38,7 @@ from inflight.worker.sampler import Sampler
 from inflight.worker.structured_output import mask_constrained_rows
 
 if TYPE_CHECKING:
+    from inflight.bench.roofline import KernelWork
     from inflight.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class ModelRunner:
         backend = choose_attention_backend(device)
         self.varlen_decode = backend in ("cpp", "cpp-all")
         self.varlen_prefill = backend == "cpp-all"
+        # `bench throughput --profile` sets this to account each step's work per kernel
+        self.work_ledger: KernelWork | None = None
 
     def populate_kv_cache(self) -> bool:
         """Map the KV cache's memory now (see ``worker/kv_cache.populate``)."""
@@ -76,6 +79,8 @@ class ModelRunner:
             inputs, failed = self._prepare_inputs(scheduler_output)
         if inputs is None:
             return ModelRunnerOutput(sampled_token_ids={}, failed_requests=failed)
+        if self.work_ledger is not None:
+            self.work_ledger.add_step(inputs.attention, inputs.positions, len(inputs.sampled))
         with self.timings.measure("forward_s"):
             hidden = self.model(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention
