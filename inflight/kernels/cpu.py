@@ -140,6 +140,23 @@ def rope_write_kv(
     )
 
 
+def decode_layer(
+    x: torch.Tensor, pending: torch.Tensor | None, fixed: tuple[object, ...],
+    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    slot_mapping: torch.Tensor, step: tuple[object, ...],
+) -> torch.Tensor:
+    """One decoder layer of a decode step whose linears all read GGUF blocks (see
+    csrc/decode_layer.cpp): ``x [T, hidden]`` float32 is updated in place, the layer's MLP
+    output returned. ``fixed`` = (input norm weight, post-attention norm weight, eps, then
+    blocks and ggml type of qkv, o, gate_up, down); ``step`` = (block_tables, query_start,
+    seq_lens, num_heads, num_kv_heads, scale)."""
+    return torch.ops.inflight.decode_layer(
+        x, pending, *fixed, positions, cos, sin, k_cache, v_cache, k_scale, v_scale,
+        slot_mapping, *step,
+    )
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first)."""
     return torch.ops.inflight.silu_mul(gate_up)

@@ -171,5 +171,7 @@ def build_model(
             if isinstance(module, Linear):
                 module.use_packed_weight()
     model.rotary.build(device)  # RoPE tables stay float32
+    if device.type == "cpu":
+        model.use_fused_decode()  # a no-op unless the layers read GGUF blocks in C++
     return model.eval()
 
