@@ -49,7 +49,7 @@ from inflight.bench.workloads import (
 from inflight.engine.step_trace import StepRecord
 
 if TYPE_CHECKING:
-    from inflight.bench.roofline import KernelWork
+    from inflight.bench.work_ledger import KernelWork
     from inflight.engine.llm_engine import LLMEngine
     from inflight.outputs import RequestOutput
 
@@ -216,7 +216,8 @@ def run_inflight(
 def _attach_work_ledger(engine: LLMEngine) -> KernelWork:
     """Measure the machine's peaks (a few seconds, before timing) and let the model runner
     account every step's work per kernel (see ``roofline``)."""
-    from inflight.bench.roofline import KernelWork, measure_peaks
+    from inflight.bench.machine_peaks import measure_peaks
+    from inflight.bench.work_ledger import KernelWork
 
     ledger = KernelWork.for_runner(engine.runner, measure_peaks())
     engine.runner.work_ledger = ledger

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from inflight.cpu_info import cpu_flags
+
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(str(p) for p in _CSRC.glob("*.cpp"))
 logger = logging.getLogger(__name__)
@@ -32,20 +34,9 @@ def _build_name() -> str:
     digest = hashlib.sha256()
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
-    digest.update(_cpu_flags())
+    digest.update(" ".join(sorted(cpu_flags())).encode() or platform.machine().encode())
     digest.update(str(_CSRC.resolve()).encode())
     return f"inflight_cpu_kernels_{digest.hexdigest()[:12]}"
-
-
-def _cpu_flags() -> bytes:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return line.encode()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}".encode()
 
 
 @cache

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.attention.metadata import AttentionMetadata, VarlenGroup
+from inflight.attention.metadata import AttentionMetadata
 from inflight.attention.torch_paged import paged_attention, write_kv
 from inflight.kernels import cpu as cpu_kernels
 from inflight.model.arch import LlamaArchConfig
+from inflight.model.fused_decode import FusedDecode
 from inflight.model.loader import QuantizedWeight
 from inflight.worker.kv_cache import LayerKVCache
 
@@ -255,8 +256,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, max_positions or arch.max_position_embeddings)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.block_max_rows = 0  # see use_quantized_weights
-        # Per layer, the fixed arguments of the one-call decode layer (use_fused_decode).
-        self.fused_decode_args: list[tuple[object, ...]] | None = None
+        self.fused_decode: FusedDecode | None = None  # see use_fused_decode
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -275,8 +275,8 @@ class LlamaForCausalLM(nn.Module):
         """
         act_dtype = self.activation_dtype(input_ids.shape[0])
         x = self.embed_tokens(input_ids).float()  # a new tensor: the layers add into it
-        if self.fused_decode_args is not None and self._is_fused_decode_step(x, metadata):
-            pending = self._fused_decode_layers(x, positions, kv_caches, metadata)
+        if self.fused_decode is not None and self.fused_decode.applies(x.shape[0], metadata):
+            pending = self.fused_decode.run(self, x, positions, kv_caches, metadata)
             return self.norm(x, act_dtype, add=pending)
         pending = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -284,67 +284,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, act_dtype, add=pending)
 
     def use_fused_decode(self) -> None:
-        """Run each layer of small decode steps as one C++ call (``csrc/decode_layer.cpp``:
-        the same kernels in the same order, bit-identical, without the Python between
-        them), where every linear layer reads GGUF blocks and has no bias and the fused
-        C++ layer ops are on. Call once the weights are final (the call keeps them)."""
-        layers = list(self.layers)
-        linears = [
-            linear for layer in layers
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        ]
-        usable = (
-            self.block_max_rows > 0 and bool(layers)
-            and all(linear.blocks is not None and linear.bias is None for linear in linears)
-            and all(layer.self_attn.fused and layer.mlp.fused and layer.input_layernorm.fused
-                    for layer in layers)
-        )
-        if not usable:
-            self.fused_decode_args = None
-            return
-        args = []
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            weights = []
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                assert linear.blocks is not None
-                weights += [linear.blocks.blocks, linear.blocks.ggml_type]
-            args.append((
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                layer.input_layernorm.eps, *weights,
-            ))
-        self.fused_decode_args = args
-
-    def _is_fused_decode_step(self, x: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """Every linear reads blocks (few tokens) and every token is a varlen decode."""
-        decode = metadata.decode
-        return (
-            x.shape[0] <= self.block_max_rows and metadata.prefill is None
-            and metadata.prompts is None and isinstance(decode, VarlenGroup)
-            and decode.token_index is None
-        )
-
-    def _fused_decode_layers(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        decode = metadata.decode
-        assert isinstance(decode, VarlenGroup) and self.fused_decode_args is not None
-        attn = self.layers[0].self_attn
-        step = (decode.block_tables, decode.query_start, decode.seq_lens,
-                attn.num_heads, attn.num_kv_heads, attn.scale)
-        cos, sin, slots = self.rotary.cos, self.rotary.sin, metadata.slot_mapping
-        pending = None
-        for fixed, (k_cache, v_cache, k_scale, v_scale) in zip(
-            self.fused_decode_args, kv_caches, strict=True
-        ):
-            pending = cpu_kernels.decode_layer(
-                x, pending, fixed, positions, cos, sin, k_cache, v_cache, k_scale, v_scale,
-                slots, step,
-            )
-        assert pending is not None
-        return pending
+        """Run each layer of small decode steps as one C++ call where the layers allow it
+        (see ``model/fused_decode``). Call once the weights are final."""
+        self.fused_decode = FusedDecode.build(self)
 
     def activation_dtype(self, num_tokens: int) -> torch.dtype:
         """The matmuls' input dtype for a step of ``num_tokens``: the weights' dtype, except

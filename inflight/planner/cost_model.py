@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from inflight.core.interface import SchedulerOutput
+from inflight.cpu_info import cpu_model_name
 from inflight.engine.step_trace import StepRecord
 
 FORMAT = "inflight-step-cost/1"
@@ -323,7 +323,7 @@ def fit(
         source=source,
         num_fit_steps=int(train.sum()) - num_outliers,
         num_outliers=num_outliers,
-        info={"created": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_name(),
+        info={"created": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": cpu_model_name(),
               **(info or {})},
     )
     test = [i for i, h in enumerate(held) if h]
@@ -339,14 +339,3 @@ def fit_trace(records: Sequence[StepRecord], *, source: str, skip_steps: int = 0
     features = features_from_trace(records)[skip_steps:]
     durations = [r.duration_s for r in records][skip_steps:]
     return fit(features, durations, source=source, **kwargs)  # type: ignore[arg-type]
-
-
-def machine_name() -> str:
-    """The CPU's model name (Linux), else the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

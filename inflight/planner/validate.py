@@ -198,12 +198,12 @@ def _greedy(max_tokens: int) -> Any:
 
 
 def write_json(path: str | Path, comparisons: Sequence[Comparison], cost: CostModel) -> Path:
-    from inflight.planner.cost_model import machine_name
+    from inflight.cpu_info import cpu_model_name
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "machine": machine_name(),
+        "machine": cpu_model_name(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cost_model": cost.to_json(),
         "runs": [c.to_json() for c in comparisons],

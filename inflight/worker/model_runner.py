@@ -38,7 +38,7 @@ from inflight.worker.sampler import Sampler
 from inflight.worker.structured_output import mask_constrained_rows
 
 if TYPE_CHECKING:
-    from inflight.bench.roofline import KernelWork
+    from inflight.bench.work_ledger import KernelWork
     from inflight.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

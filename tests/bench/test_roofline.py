@@ -15,13 +15,8 @@ from inflight.attention.metadata import (
     PromptGroup,
     VarlenGroup,
 )
-from inflight.bench.roofline import (
-    KernelWork,
-    LinearShape,
-    MachinePeaks,
-    attended_sequences,
-    measure_peaks,
-)
+from inflight.bench.machine_peaks import MachinePeaks, measure_peaks
+from inflight.bench.work_ledger import KernelWork, LinearShape, attended_sequences
 from inflight.entrypoints.cli import main
 from inflight.model.arch import LlamaArchConfig
 from inflight.model.llama import LlamaForCausalLM

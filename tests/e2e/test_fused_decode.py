@@ -34,7 +34,7 @@ def test_fused_decode_is_bit_identical(
         pytest.skip("no GGUF block kernel on this CPU")
     llm = LLM(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     model = llm.llm_engine.runner.model
-    assert model.fused_decode_args is not None, "the default model's layers read GGUF blocks"
+    assert model.fused_decode is not None, "the default model's layers read GGUF blocks"
     calls = []
     real = cpu_kernels.decode_layer
     monkeypatch.setattr(
@@ -42,7 +42,7 @@ def test_fused_decode_is_bit_identical(
     )
     fused = run(llm)
     assert len(calls) >= model.arch.num_hidden_layers * (PARAMS.max_tokens - 1)
-    model.fused_decode_args = None  # the layer-by-layer Python path
+    model.fused_decode = None  # the layer-by-layer Python path
     calls.clear()
     unfused = run(llm)
     assert not calls
