@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -19,7 +20,6 @@ from gguf import GGMLQuantizationType as QT
 
 from inflight.model.arch import LlamaArchConfig
 from inflight.model.gguf_reader import GGUFFile, GGUFTensor, read_gguf
-from inflight.model.gguf_tokenizer import build_gguf_tokenizer
 from inflight.model.loader import LoadedCheckpoint, QuantizedWeight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -59,16 +59,41 @@ def load_gguf(path: str) -> LoadedCheckpoint:
                     arch.num_attention_heads if ".q_proj." in hf_name else arch.num_key_value_heads
                 )
                 tensors[i] = _unpermute_stored_rows(tensors[i], heads)
-    weights = dict(zip(names, dequantize_all(tensors), strict=True))
+    order = sorted(range(len(names)), key=lambda i: _fusion_order(names[i]))
+    names, tensors = [names[i] for i in order], [tensors[i] for i in order]
+    # Decoding (C++ and page faults, without the GIL) overlaps the tokenizer's build, which
+    # is Python: importing transformers and reading the vocabulary take about as long.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        decoded = pool.submit(dequantize_all, tensors)
+        from inflight.model.gguf_tokenizer import build_gguf_tokenizer
+
+        try:
+            tokenizer = build_gguf_tokenizer(file.metadata, path)
+        except Exception:
+            decoded.result()  # a weight that cannot be decoded is the first error to report
+            raise
+        weights = dict(zip(names, decoded.result(), strict=True))
     quantized = {
         name: QuantizedWeight(int(t.ggml_type), _row_blocks(t))
         for name, t in zip(names, tensors, strict=True)
         if t.ggml_type in BLOCK_MATMUL_TYPES and len(t.shape) == 2
     }
-    tokenizer = build_gguf_tokenizer(file.metadata, path)
     return LoadedCheckpoint(
         arch=arch, weights=weights, tokenizer=tokenizer, source=path, quantized=quantized
     )
+
+
+_FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _fusion_order(hf_name: str) -> tuple[str, str, int]:
+    """Sort key that puts each layer's q/k/v and gate/up projections next to each other, in
+    the order the model fuses them: decoded in that order into one buffer per type, they
+    become one fused weight without a copy (see ``LlamaForCausalLM.load_hf_weights``)."""
+    for rank, part in enumerate(_FUSED_PARTS):
+        if f".{part}." in hf_name:
+            return hf_name.split(part)[0], hf_name.rsplit(".", 1)[1], rank
+    return hf_name, "", len(_FUSED_PARTS)
 
 
 # Types the block matmul kernel reads directly (32 weights per block, one f16 scale and for

@@ -362,13 +362,13 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.arch.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
-            put(dst + "self_attn.qkv_proj.weight", torch.cat(
+            put(dst + "self_attn.qkv_proj.weight", _fuse(
                 [take(attn + f"{p}_proj.weight") for p in "qkv"]))
             if self.arch.attention_bias:
-                put(dst + "self_attn.qkv_proj.bias", torch.cat(
+                put(dst + "self_attn.qkv_proj.bias", _fuse(
                     [take(attn + f"{p}_proj.bias") for p in "qkv"]))
             put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
-            put(dst + "mlp.gate_up_proj.weight", torch.cat(
+            put(dst + "mlp.gate_up_proj.weight", _fuse(
                 [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]))
             put(dst + "mlp.down_proj.weight", take(src + "mlp.down_proj.weight"))
             put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
@@ -380,6 +380,23 @@ class LlamaForCausalLM(nn.Module):
         unused = [n for n in unused if "rotary_emb" not in n]
         if unused:
             raise ValueError(f"checkpoint has tensors this model does not use: {unused[:5]}")
+
+
+def _fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` along dim 0, as a view without a copy where the parts already lie
+    one after the other in one storage (the GGUF loader decodes them so)."""
+    first = parts[0]
+    offset = first.storage_offset()
+    adjacent = all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:]
+                   and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   for p in parts)
+    for part in parts:
+        adjacent = adjacent and part.storage_offset() == offset
+        offset += part.numel()
+    if not adjacent:
+        return torch.cat(parts)
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _fused_blocks(

@@ -11,11 +11,14 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import transformers
 
 from inflight.model.arch import LlamaArchConfig
+
+if TYPE_CHECKING:
+    import transformers
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MAGIC = b"GGUF"

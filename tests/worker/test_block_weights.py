@@ -63,3 +63,21 @@ def checkpoint_dense(checkpoint, layer: Linear, model) -> torch.Tensor:
 
 def test_quantization_none_keeps_dense_weights(checkpoint):
     assert block_matmul_rows("none", checkpoint.quantized, torch.device("cpu"), torch.float32) == 0
+
+
+def test_fused_projections_are_views_of_the_decoded_weights(checkpoint):
+    """The GGUF loader decodes each layer's q/k/v and gate/up next to each other, so the
+    fused weights are the decoded tensors themselves, not copies, and equal their concat."""
+    model = build_model(checkpoint.arch, checkpoint.weights, torch.device("cpu"),
+                        torch.float32, 256)
+    for i, layer in enumerate(model.layers):
+        src = f"model.layers.{i}."
+        for fused, parts in (
+            (layer.self_attn.qkv_proj.weight,
+             [src + f"self_attn.{p}_proj.weight" for p in "qkv"]),
+            (layer.mlp.gate_up_proj.weight, [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]),
+        ):
+            first = checkpoint.weights[parts[0]]
+            assert fused.data_ptr() == first.data_ptr(), "fused by a copy"
+            assert torch.equal(fused, torch.cat([checkpoint.weights[p] for p in parts]))
+

