@@ -62,7 +62,11 @@ def load_gguf(path: str) -> LoadedCheckpoint:
     order = sorted(range(len(names)), key=lambda i: _fusion_order(names[i]))
     names, tensors = [names[i] for i in order], [tensors[i] for i in order]
     # Decoding (C++ and page faults, without the GIL) overlaps the tokenizer's build, which
-    # is Python: importing transformers and reading the vocabulary take about as long.
+    # is Python: importing transformers and reading the vocabulary take about as long. The
+    # decoding thread must import nothing: imports in two threads at once can see each
+    # other's half-initialised modules (measured: transformers failing to find
+    # huggingface_hub.utils), so its kernels are loaded here first.
+    _load_decoders()
     with ThreadPoolExecutor(max_workers=1) as pool:
         decoded = pool.submit(dequantize_all, tensors)
         from inflight.model.gguf_tokenizer import build_gguf_tokenizer
@@ -265,6 +269,13 @@ def dequantize_all(tensors: Sequence[GGUFTensor]) -> list[torch.Tensor]:
         for i, part in zip(indices, flat.split(sizes), strict=True):
             out[i] = part.view(tensors[i].shape)
     return out  # type: ignore[return-value]
+
+
+def _load_decoders() -> None:
+    """Import and load (once per process) everything :func:`dequantize_all` uses."""
+    from inflight.kernels import cpu
+
+    cpu.available()
 
 
 def _decode(qtype: QT, raw: torch.Tensor) -> torch.Tensor:

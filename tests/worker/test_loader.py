@@ -582,3 +582,27 @@ def test_fuse_copies_parts_that_are_not_adjacent():
         assert torch.equal(fused, torch.cat(parts))
     assert _fuse([a, c]).data_ptr() != a.data_ptr()  # a gap between the parts: copied
     assert _fuse([b, a]).data_ptr() != b.data_ptr()  # out of order: copied
+
+
+def test_gguf_decoding_thread_imports_nothing(smollm_path):
+    """The GGUF weights are decoded in a thread while the main thread imports transformers
+    for the tokenizer; an import in the decoding thread at the same time can see a
+    half-initialised module (it once failed with "No module named huggingface_hub.utils")."""
+    import subprocess
+    import sys
+
+    # A fresh interpreter, so that transformers and the kernels are really imported now.
+    script = (
+        "import sys, threading\n"
+        "seen = []\n"
+        "def hook(event, args):\n"
+        "    if event == 'import' and threading.current_thread() is not threading.main_thread():\n"
+        "        seen.append(args[0])\n"
+        "sys.addaudithook(hook)\n"
+        "from inflight.model.loader import load_checkpoint\n"
+        f"load_checkpoint({smollm_path!r})\n"
+        "print('THREAD_IMPORTS', seen)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=600).stdout
+    assert "THREAD_IMPORTS []" in out, out[-2000:]
