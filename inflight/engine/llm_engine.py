@@ -27,9 +27,8 @@ full blocks in the prefix cache and recompute only its partial last block: the p
 computed once. Without prefix caching (or with static batching) all children are added
 at once and each computes the prompt. Aborting the request aborts every child.
 
-Logprobs: the runner reports the raw distribution's logprobs of each sampled token (and
-of prompt tokens) as :class:`TokenLogprobs`; the engine turns them into vLLM's
-``list[dict[int, Logprob]]`` and sums ``cumulative_logprob``.
+Turning each step's updates into ``RequestOutput``s (logprobs, detokenising, stop
+strings, merging the children of an ``n > 1`` request) is ``output_processor.py``'s.
 """
 
 from __future__ import annotations
@@ -37,21 +36,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from inflight.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, make_engine_config
-from inflight.core.interface import (
-    ModelRunnerOutput,
-    PromptLogprobsChunk,
-    RequestUpdate,
-    SchedulerOutput,
-)
+from inflight.core.interface import RequestUpdate, SchedulerOutput
 from inflight.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
-from inflight.core.request import Request, RequestStatus
+from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler
 from inflight.engine.detokenizer import IncrementalDetokenizer
-from inflight.engine.logprobs_decoder import LogprobsDecoder
+from inflight.engine.output_processor import (
+    OutputProcessor,
+    ParentState,
+    RequestState,
+    child_params,
+)
 from inflight.engine.request_checks import (
     bad_words_token_ids,
     cache_salt_of,
@@ -60,14 +58,8 @@ from inflight.engine.request_checks import (
 )
 from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import StepTrace, record_step
-from inflight.outputs import (
-    CompletionOutput,
-    PromptLogprobs,
-    RequestMetrics,
-    RequestOutput,
-    SampleLogprobs,
-)
-from inflight.sampling_params import INT64_MAX, INT64_MIN, InvalidRequestError, SamplingParams
+from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inflight.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -85,39 +77,6 @@ class EngineOverloadedError(RuntimeError):
         )
         self.num_waiting = num_waiting
         self.max_waiting_requests = max_waiting_requests
-
-
-@dataclass
-class _RequestState:
-    """What the engine keeps per request beside the scheduler's ``Request``."""
-
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer | None
-    stream: bool
-    metrics: RequestMetrics
-    logprobs: SampleLogprobs | None = None
-    cumulative_logprob: float | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-@dataclass
-class _ParentState:
-    """An ``n > 1`` request: its children's latest completions, merged into one output."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    child_ids: list[str]
-    stream: bool
-    completions: list[CompletionOutput]
-    finished: list[bool]
-    # Children not yet added (waiting for child 0's prompt): (child id, params).
-    pending: list[tuple[str, SamplingParams]]
-    add_options: dict[str, Any]
-    metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class LLMEngine:
@@ -200,11 +159,10 @@ class LLMEngine:
             scheduler_config, self.kv_cache, readiness=self.structured_output
         )
         self.step_trace = StepTrace(enabled=config.record_trace)
-        self._states: dict[str, _RequestState] = {}
-        self._parents: dict[str, _ParentState] = {}
-        self._child_of: dict[str, tuple[str, int]] = {}  # child id -> (parent id, index)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.scheduler, self.structured_output
+        )
         self._trace_origin = time.monotonic()
-        self._logprobs_decoder = LogprobsDecoder(self.tokenizer)
         self._next_id = 0
 
     @classmethod
@@ -269,18 +227,18 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if request_id in self._parents:
+        if request_id in self.output_processor.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
             self._add_one(request_id, prompt, params, arrival_time, priority, stream)
             return
-        children = [_child_params(params, index) for index in range(params.n)]
+        children = [child_params(params, index) for index in range(params.n)]
         child_ids = [f"{index}_{request_id}" for index in range(params.n)]
         arrival = time.monotonic() if arrival_time is None else arrival_time
         options = dict(arrival_time=arrival, priority=priority, stream=stream)
         self._add_one(child_ids[0], prompt, children[0], arrival, priority, stream)
-        state = self._states[child_ids[0]]
-        parent = _ParentState(
+        state = self.output_processor.request_states[child_ids[0]]
+        parent = ParentState(
             request_id=request_id, prompt=state.prompt,
             prompt_token_ids=state.request.prompt_token_ids, child_ids=child_ids,
             stream=stream,
@@ -292,9 +250,7 @@ class LLMEngine:
                                     "cache_salt": cache_salt_of(prompt)}, **options},
             metrics=state.metrics,
         )
-        self._parents[request_id] = parent
-        for index, child_id in enumerate(child_ids):
-            self._child_of[child_id] = (request_id, index)
+        self.output_processor.add_parent(parent)
         cache = self.config.cache
         if not cache.enable_prefix_caching or self.config.scheduler.batching != "continuous":
             self._add_children(parent)  # nothing to wait for: each computes the prompt
@@ -344,7 +300,7 @@ class LLMEngine:
                 list(params.stop or []), params.include_stop_str_in_output,
                 params.min_tokens,
             )
-        self._states[request_id] = _RequestState(
+        self.output_processor.request_states[request_id] = RequestState(
             request=request, prompt=text, detokenizer=detokenizer, stream=stream,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             logprobs=[] if params.logprobs is not None else None,
@@ -354,7 +310,7 @@ class LLMEngine:
             ),
         )
 
-    def _add_children(self, parent: _ParentState) -> None:
+    def _add_children(self, parent: ParentState) -> None:
         options = parent.add_options
         for child_id, params in parent.pending:
             self._add_one(
@@ -365,7 +321,7 @@ class LLMEngine:
 
     def _add_pending_children(self) -> None:
         """Add the children of parents whose child 0 has computed its prompt (or ended)."""
-        for parent in self._parents.values():
+        for parent in self.output_processor.parent_requests.values():
             if not parent.pending:
                 continue
             first = self.scheduler.requests.get(parent.child_ids[0])
@@ -374,18 +330,16 @@ class LLMEngine:
 
     def get_request(self, request_id: str) -> Request:
         """The scheduler's record of a request (child 0's for an ``n > 1`` request)."""
-        parent = self._parents.get(request_id)
+        parent = self.output_processor.parent_requests.get(request_id)
         if parent is not None:
-            return self._states[parent.child_ids[0]].request
+            return self.output_processor.request_states[parent.child_ids[0]].request
         return self.scheduler.requests[request_id]
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            parent = self._parents.pop(request_id, None)
+            parent = self.output_processor.pop_parent(request_id)
             if parent is not None:
-                parent.pending = []
                 for child_id in parent.child_ids:
-                    self._child_of.pop(child_id, None)
                     self._abort_one(child_id)
                 continue
             self._abort_one(request_id)
@@ -393,7 +347,7 @@ class LLMEngine:
     def _abort_one(self, request_id: str) -> None:
         if self.scheduler.abort_request(request_id) is not None:
             self.structured_output.free([request_id])
-            state = self._states.pop(request_id)
+            state = self.output_processor.request_states.pop(request_id)
             state.metrics.finished_time = time.monotonic()
 
     def populate_kv_cache(self) -> bool:
@@ -436,8 +390,9 @@ class LLMEngine:
         return self.kv_cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or any(
-            p.pending for p in self._parents.values()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.output_processor.has_pending_children()
         )
 
     # ------------------------------------------------------------------ the step
@@ -445,7 +400,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of finished requests (and streaming ones)."""
         started = time.monotonic()
-        if self._parents:
+        if self.output_processor.parent_requests:
             self._add_pending_children()
         with self.timings.measure("schedule_s"):
             scheduler_output = self.scheduler.schedule()
@@ -458,121 +413,10 @@ class LLMEngine:
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
         with self.timings.measure("outputs_s"):
-            if runner_output.prompt_logprobs:
-                self._take_prompt_logprobs(runner_output.prompt_logprobs)
-            outputs = [
-                o for u in updates if (o := self._process_update(u, now, runner_output)) is not None
-            ]
-            if self._child_of:
-                outputs = [m for o in outputs if (m := self._merge_child(o)) is not None]
+            outputs = self.output_processor.process_outputs(updates, now, runner_output)
             self._record_step(scheduler_output, updates, started, now)
         self.timings.num_steps += 1
         return outputs
-
-    def _process_update(
-        self, update: RequestUpdate, now: float, runner_output: ModelRunnerOutput
-    ) -> RequestOutput | None:
-        state = self._states[update.request_id]
-        metrics = state.metrics
-        if state.logprobs is not None and update.new_token_ids:
-            entry = runner_output.logprobs.get(update.request_id)
-            if entry is not None:
-                state.logprobs.append(self._logprobs_decoder.position(entry))
-                state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry.logprob
-        if update.new_token_ids:
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-        finished = update.finished
-        if update.error is not None:
-            logger.warning("request %s failed: %s", update.request_id, update.error)
-        elif state.detokenizer is not None and (state.stream or state.request.sampling_params.stop):
-            stop = state.detokenizer.add_tokens(
-                update.new_token_ids, stop_terminated=finished and _stopped_by_token(state.request)
-            )
-            if stop is not None:
-                # A stop string wins even when the same token also hit EOS or the length limit.
-                if not finished:
-                    self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
-                state.request.status = RequestStatus.FINISHED_STOPPED
-                state.request.stop_reason = stop
-                finished = True
-        if finished:
-            self.structured_output.free([update.request_id])
-            metrics.finished_time = now
-            metrics.num_preemptions = state.request.num_preemptions
-            del self._states[update.request_id]
-        elif not state.stream:
-            return None
-        return self._make_output(state, finished)
-
-    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
-        request = state.request
-        text = ""
-        if state.detokenizer is not None:
-            if not (state.stream or request.sampling_params.stop):
-                # decoded once, at the end, off the per-step path
-                state.detokenizer.add_tokens(
-                    request.output_token_ids, stop_terminated=_stopped_by_token(request)
-                )
-            text = state.detokenizer.text
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason if finished else None,
-            stop_reason=request.stop_reason if finished else None,
-            error=request.error if finished else None,
-            logprobs=None if state.logprobs is None else list(state.logprobs),
-            cumulative_logprob=state.cumulative_logprob,
-        )
-        return RequestOutput(
-            request_id=request.request_id, prompt=state.prompt,
-            prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-            finished=finished, metrics=state.metrics,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
-        )
-
-    # ------------------------------------------------------------------ prompt logprobs, n > 1
-
-    def _take_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
-        """Store each position once (a preempted request recomputes its prompt)."""
-        for request_id, chunk in chunks.items():
-            state = self._states.get(request_id)
-            if state is None or state.prompt_logprobs is None:
-                continue
-            for offset, entry in enumerate(chunk.entries):
-                position = chunk.first_position + offset
-                if state.prompt_logprobs[position] is None:
-                    state.prompt_logprobs[position] = self._logprobs_decoder.position(entry)
-
-    def _merge_child(self, output: RequestOutput) -> RequestOutput | None:
-        """Fold a child's output into its parent's; the parent's output when there is one
-        to give (streaming, or every child finished)."""
-        link = self._child_of.get(output.request_id)
-        if link is None:
-            return output  # an n == 1 request
-        parent_id, index = link
-        parent = self._parents[parent_id]
-        completion = output.outputs[0]
-        completion.index = index
-        parent.completions[index] = completion
-        if index == 0:
-            parent.num_cached_tokens = output.num_cached_tokens
-            parent.prompt_logprobs = output.prompt_logprobs
-        if output.finished:
-            parent.finished[index] = True
-            del self._child_of[output.request_id]
-        done = all(parent.finished)
-        if done:
-            del self._parents[parent_id]
-        elif not parent.stream:
-            return None
-        return RequestOutput(
-            request_id=parent_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, outputs=list(parent.completions),
-            finished=done, metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens,
-            prompt_logprobs=parent.prompt_logprobs,
-        )
 
     def _record_step(
         self, scheduler_output: SchedulerOutput, updates: list[RequestUpdate],
@@ -594,27 +438,3 @@ def _eos_ids(arch_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
     primary = getattr(tokenizer, "eos_token_id", None)
     ids = [primary] if isinstance(primary, int) else []
     return tuple(dict.fromkeys([*ids, *arch_eos]))
-
-
-def _stopped_by_token(request: Request) -> bool:
-    """Ended by EOS or a stop token id (not a stop string, nor a complete structured
-    output, whose last token is part of it): that token's text is left out."""
-    if request.status is not RequestStatus.FINISHED_STOPPED or isinstance(
-        request.stop_reason, str
-    ) or not request.output_token_ids:
-        return False
-    last = request.output_token_ids[-1]
-    return last in request.eos_token_ids or last in request.stop_token_ids
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion ``index`` of an n > 1 request: n=1, its own seed (``seed + index``,
-    wrapped into int64); only child 0 asks for prompt logprobs (unless max_tokens=0)."""
-    seed = params.seed
-    if seed is not None:
-        seed = (seed + index - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
-    keep_prompt_logprobs = index == 0 or params.max_tokens == 0
-    return dataclasses.replace(
-        params, n=1, best_of=None, seed=seed,
-        prompt_logprobs=params.prompt_logprobs if keep_prompt_logprobs else None,
-    )
