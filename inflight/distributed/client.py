@@ -29,13 +29,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.distributed.metrics import DataParallelMetrics, ReplicaSnapshot
+from inflight.distributed.ray_utils import (
+    RAY_MISSING,
+    DataParallelConfig,
+    error_cause,
+    error_reason,
+    gpus_per_replica,
+    import_ray,
+    init_ray,
+)
 from inflight.distributed.replica import (
     ACCEPTED,
     Failed,
@@ -57,47 +65,16 @@ from inflight.engine.request_stream import (
 from inflight.metrics.stats import EngineStats
 from inflight.sampling_params import SamplingParams
 
+__all__ = [
+    "RAY_MISSING",
+    "DataParallelConfig",
+    "DataParallelEngineClient",
+    "gpus_per_replica",
+    "import_ray",
+    "init_ray",
+]
+
 logger = logging.getLogger(__name__)
-
-RAY_MISSING = (
-    "--data-parallel-backend ray needs Ray, which is not installed: pip install 'inflight[ray]'"
-)
-_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # deltas are small; keep the local store small
-
-
-def import_ray() -> Any:
-    """The ``ray`` module, or a RuntimeError naming the extra that installs it."""
-    try:
-        import ray
-    except ImportError as error:
-        raise RuntimeError(RAY_MISSING) from error
-    return ray
-
-
-@dataclass(frozen=True, slots=True)
-class DataParallelConfig:
-    """vLLM's names: ``--data-parallel-size``, ``--data-parallel-address``."""
-
-    data_parallel_size: int = 2
-    address: str | None = None  # a running cluster ("auto", "ray://..."); None: a local one
-    num_cpus_per_replica: float = 1.0
-    torch_threads_per_replica: int | None = None  # default: this machine's cores / size
-    max_restarts: int = 4
-    health_check_interval_s: float = 0.5
-    health_check_timeout_s: float = 5.0
-    affinity_blocks: int = 4
-    affinity_slack_tokens: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.data_parallel_size < 1:
-            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
-
-    @property
-    def torch_threads(self) -> int:
-        if self.torch_threads_per_replica is not None:
-            return self.torch_threads_per_replica
-        return max(1, (os.cpu_count() or 1) // self.data_parallel_size)
-
 
 @dataclass(slots=True)
 class _ReplicaState:
@@ -179,7 +156,7 @@ class DataParallelEngineClient:
                 ray.kill(replica.handle, no_restart=True)
             if self._started_ray:
                 ray.shutdown()
-            raise ValueError(f"an engine replica failed to start: {_cause(error)}") from None
+            raise ValueError(f"an engine replica failed to start: {error_cause(error)}") from None
         return infos
 
     # ------------------------------------------------------------------ read-only facts
@@ -347,7 +324,7 @@ class DataParallelEngineClient:
                     flight.request_timeout,
                 )
             except self._lost_errors as error:
-                self._replica_died(replica, _reason(error))
+                self._replica_died(replica, error_reason(error))
                 reply = None
             except BaseException:  # cancelled (the caller left): don't leak it there
                 self.router.end(flight.request_id)
@@ -401,7 +378,7 @@ class DataParallelEngineClient:
                     for request_id, item in await ref:
                         self._dispatch(replica, request_id, item)
             except self._lost_errors as error:
-                self._replica_died(replica, _reason(error))
+                self._replica_died(replica, error_reason(error))
                 await asyncio.sleep(self.config.health_check_interval_s)
 
     def _dispatch(self, replica: int, request_id: str, item: ReplicaItem) -> None:
@@ -483,7 +460,7 @@ class DataParallelEngineClient:
                 state.handle.heartbeat.remote(), self.config.health_check_timeout_s
             )
         except self._lost_errors as error:
-            self._replica_died(replica, _reason(error))
+            self._replica_died(replica, error_reason(error))
             return
         except TimeoutError:
             return  # busy or restarting: its own requests tell us if it died
@@ -504,17 +481,6 @@ class DataParallelEngineClient:
             return [False]
 
 
-def _reason(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
-def _cause(error: BaseException) -> str:
-    """The innermost error's last line (Ray wraps a replica's error in its own)."""
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "Error:" in line]
-    return (errors or lines or [type(error).__name__])[-1].strip()
-
-
 def _rejection_error(rejected: Rejected) -> Exception:
     if rejected.unavailable:
         return EngineUnavailableError(rejected.message)
@@ -523,47 +489,3 @@ def _rejection_error(rejected: Rejected) -> Exception:
     if rejected.overloaded is not None:
         return EngineOverloadedError(*rejected.overloaded)
     return ValueError(rejected.message)
-
-
-def gpus_per_replica(ray: Any, device: str, config: DataParallelConfig) -> float:
-    """The GPU share each replica reserves: one each when the cluster has enough, else an
-    equal share of what it has (replicas then share devices); none on the CPU.
-
-    Ray hides the GPUs from an actor that reserved none, so ``auto`` follows the cluster's
-    GPUs, not this process's.
-    """
-    if device == "cpu":
-        return 0.0
-    total = float(ray.cluster_resources().get("GPU", 0))
-    if total <= 0:
-        if device.startswith("cuda"):
-            raise ValueError(f"--device {device}: the Ray cluster has no GPU")
-        return 0.0
-    share = min(1.0, total / config.data_parallel_size)
-    if share < 1.0:
-        logger.warning(
-            "%d replicas on %g GPU(s): each replica gets %.2f of a GPU",
-            config.data_parallel_size, total, share,
-        )
-    return share
-
-
-def init_ray(ray: Any, config: DataParallelConfig) -> bool:
-    """Join ``config.address``, or start a small local cluster on loopback; True if we
-    started it (so we stop it too)."""
-    if ray.is_initialized():
-        return False
-    if config.address is not None:
-        ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
-        return False
-    needed = config.data_parallel_size * config.num_cpus_per_replica
-    ray.init(
-        address="local",
-        num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
-        include_dashboard=False,
-        object_store_memory=_OBJECT_STORE_BYTES,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    return True
