@@ -30,161 +30,44 @@ import asyncio
 import json
 import math
 import os
-import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-MS = 1000.0
+from inflight.bench.serve_report import RequestResult, format_report, summarize
+from inflight.bench.serve_workload import (
+    BenchRequest,
+    check_dependencies,
+    load_workload,
+    read_workload_file,
+    schedule,
+    synthetic_workload,
+    turn_prompt,
+)
+
+__all__ = [
+    "BenchRequest",
+    "RequestResult",
+    "ServerUnavailable",
+    "check_dependencies",
+    "format_report",
+    "load_workload",
+    "read_workload_file",
+    "register",
+    "run",
+    "run_benchmark",
+    "schedule",
+    "send_request",
+    "summarize",
+    "synthetic_workload",
+    "turn_prompt",
+]
 
 
 class ServerUnavailable(RuntimeError):
     """The server cannot be benchmarked at all: unreachable, or it refuses our key."""
-
-
-@dataclass(frozen=True, slots=True)
-class BenchRequest:
-    prompt: str | list[int]
-    max_tokens: int
-    arrival_s: float = 0.0  # offset from the benchmark's start
-    # Multi-turn: this request's id, the id whose answer it continues (prompt then holds
-    # only the new tokens) and the think time after that answer; see the module docstring.
-    id: int | None = None
-    after: int | None = None
-    think_s: float = 0.0
-
-    @property
-    def prompt_len(self) -> int | None:
-        return len(self.prompt) if isinstance(self.prompt, list) else None
-
-
-@dataclass(slots=True)
-class RequestResult:
-    ok: bool = False
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0  # seconds from sending to the first streamed token
-    latency: float = 0.0  # seconds from sending to the end of the stream
-    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
-    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when reported
-    # The generated ids (only when asked for with return_token_ids) and the prompt sent.
-    output_token_ids: list[int] = field(default_factory=list)
-    prompt: str | list[int] | None = None
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
-
-
-# ---------------------------------------------------------------------- workloads
-
-
-def load_workload(
-    spec: str, num_prompts: int | None, rate: float | None = None
-) -> list[BenchRequest]:
-    """A named workload (generated in-process, with its own arrivals) or a JSONL file."""
-    from inflight.bench import workloads
-
-    if spec in workloads.NAMED_WORKLOADS:
-        named = workloads.named(spec, rate).head(num_prompts)
-        return [
-            BenchRequest(r.prompt_token_ids, r.max_tokens, r.arrival_s, r.id, r.after, r.think_s)
-            for r in named.requests
-        ]
-    if not Path(spec).is_file():
-        raise FileNotFoundError(
-            f"workload {spec!r} is neither one of {workloads.NAMED_WORKLOADS} nor a file"
-        )
-    return read_workload_file(spec, num_prompts)
-
-
-def read_workload_file(path: str, num_prompts: int | None) -> list[BenchRequest]:
-    requests = []
-    with open(path) as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            prompt = row.get("prompt_token_ids", row.get("prompt"))
-            if prompt is None or "max_tokens" not in row:
-                raise ValueError(
-                    f"{path}:{number}: needs 'prompt_token_ids' (or 'prompt') and 'max_tokens'"
-                )
-            after = row.get("after")
-            requests.append(
-                BenchRequest(
-                    prompt,
-                    int(row["max_tokens"]),
-                    float(row.get("arrival_s", 0.0)),
-                    int(row.get("id", number - 1)),
-                    None if after is None else int(after),
-                    float(row.get("think_s", 0.0)),
-                )
-            )
-            if num_prompts is not None and len(requests) >= num_prompts:
-                break
-    if not requests:
-        raise ValueError(f"{path}: no requests")
-    return requests
-
-
-def synthetic_workload(
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    token_low: int,
-    token_high: int,
-    seed: int,
-) -> list[BenchRequest]:
-    """Random token-id prompts of fixed lengths (valid for any vocabulary above token_high)."""
-    rng = random.Random(seed)
-    return [
-        BenchRequest([rng.randrange(token_low, token_high) for _ in range(input_len)], output_len)
-        for _ in range(num_prompts)
-    ]
-
-
-def schedule(requests: list[BenchRequest], rate: float | None, seed: int) -> list[BenchRequest]:
-    """Arrival offsets: the workload's own when ``rate`` is None, else Poisson (or 0 for inf).
-
-    Only independent requests get an arrival; a dependent one is sent after its predecessor.
-    """
-    if rate is None:
-        return requests
-    rng = random.Random(seed)
-    offset, out = 0.0, []
-    for request in requests:
-        if request.after is not None:
-            out.append(request)
-            continue
-        out.append(replace(request, arrival_s=offset))
-        if not math.isinf(rate):
-            offset += rng.expovariate(rate)
-    return out
-
-
-def check_dependencies(requests: list[BenchRequest], chat: bool) -> None:
-    """Every ``after`` names an earlier request; dependent turns need token-id prompts."""
-    seen: set[int] = set()
-    for request in requests:
-        if request.after is not None:
-            if request.after not in seen:
-                raise ValueError(f"request {request.id} comes after {request.after}, not before it")
-            if chat or not isinstance(request.prompt, list):
-                raise ValueError("multi-turn requests need token-id prompts on /v1/completions")
-        if request.id is not None:
-            seen.add(request.id)
-
-
-def turn_prompt(request: BenchRequest, previous: RequestResult) -> list[int]:
-    """A dependent request's prompt: the previous turn's prompt and answer, then its own."""
-    assert isinstance(previous.prompt, list) and isinstance(request.prompt, list)
-    return [*previous.prompt, *previous.output_token_ids, *request.prompt]
 
 
 # ---------------------------------------------------------------------- the client
@@ -370,76 +253,6 @@ def _error_message(response: Any) -> str:
         return str(response.json()["error"]["message"])
     except Exception:  # noqa: BLE001 - any other body: show it as text
         return response.text[:200].strip() or "no body"
-
-
-# ---------------------------------------------------------------------- the report
-
-
-def _stats(name: str, values_s: list[float]) -> dict[str, float]:
-    import numpy as np
-
-    values = np.asarray(values_s, dtype=float) * MS if values_s else np.zeros(1)
-    return {
-        f"mean_{name}_ms": float(values.mean()),
-        f"median_{name}_ms": float(np.median(values)),
-        f"std_{name}_ms": float(values.std()),
-        f"p95_{name}_ms": float(np.percentile(values, 95)),
-        f"p99_{name}_ms": float(np.percentile(values, 99)),
-    }
-
-
-def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]:
-    done = [r for r in results if r.ok]
-    input_tokens = sum(r.prompt_tokens for r in done)
-    output_tokens = sum(r.output_tokens for r in done)
-    cached_tokens = sum(r.cached_tokens for r in done)
-    summary: dict[str, Any] = {
-        "duration_s": duration_s,
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "total_cached_tokens": cached_tokens,
-        "prefill_tokens_computed": input_tokens - cached_tokens,
-        "request_throughput": len(done) / duration_s,
-        "output_throughput": output_tokens / duration_s,
-        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
-    }
-    summary |= _stats("ttft", [r.ttft for r in done])
-    summary |= _stats("tpot", [t for r in done if (t := r.tpot) is not None])
-    summary |= _stats("itl", [gap for r in done for gap in r.itl])
-    summary |= _stats("e2el", [r.latency for r in done])
-    return summary
-
-
-def format_report(summary: dict[str, Any]) -> str:
-    lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
-
-    def row(label: str, value: Any, fmt: str = "") -> None:
-        lines.append(f"{label:<44}{value:>16{fmt}}")
-
-    row("Successful requests:", summary["completed"])
-    row("Failed requests:", summary["failed"])
-    row("Benchmark duration (s):", summary["duration_s"], ".2f")
-    row("Total input tokens:", summary["total_input_tokens"])
-    row("Total generated tokens:", summary["total_output_tokens"])
-    row("Prompt tokens cached (server-reported):", summary["total_cached_tokens"])
-    row("Prefill tokens computed:", summary["prefill_tokens_computed"])
-    row("Request throughput (req/s):", summary["request_throughput"], ".3f")
-    row("Output token throughput (tok/s):", summary["output_throughput"], ".2f")
-    row("Total token throughput (tok/s):", summary["total_token_throughput"], ".2f")
-    titles = {
-        "ttft": "Time to First Token",
-        "tpot": "Time per Output Token (excl. 1st token)",
-        "itl": "Inter-token Latency",
-        "e2el": "End-to-end Latency",
-    }
-    for key, title in titles.items():
-        lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
-        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p95", "P95"), ("p99", "P99")):
-            row(f"{name} {key.upper()} (ms):", summary[f"{stat}_{key}_ms"], ".2f")
-    lines.append("=" * 60)
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- the command
