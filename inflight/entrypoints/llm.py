@@ -141,6 +141,11 @@ class LLM:
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(
+            "prompts must be a string, a list of token ids, a dict or a list of these, got "
+            f"{type(prompts).__name__}"
+        )
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # a single list of token ids
@@ -154,7 +159,15 @@ def _broadcast(
 ) -> list[SamplingParams | None]:
     if params is None or isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise TypeError(
+            f"{name} must be SamplingParams, a list of them (one per prompt) or None, got "
+            f"{type(params).__name__}"
+        )
     params = list(params)
     if len(params) != count:
         raise ValueError(f"{name} has {len(params)} entries for {count} prompts")
+    for index, one in enumerate(params):
+        if one is not None and not isinstance(one, SamplingParams):
+            raise TypeError(f"{name}[{index}] must be SamplingParams, got {type(one).__name__}")
     return params

@@ -77,6 +77,24 @@ def test_generate_rejects_whole_call_without_running_any(llm, expected):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        (None, GREEDY, "prompts must be .* got NoneType"),
+        ([[5, 6]], {"max_tokens": 4}, "sampling_params must be SamplingParams.* got dict"),
+        ([[5, 6], [7]], [GREEDY, {"max_tokens": 4}], r"sampling_params\[1\] .* got dict"),
+    ],
+    ids=["prompts None", "params a dict", "one params a dict"],
+)
+def test_generate_names_the_wrong_argument_type(llm, expected, prompts, params, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    outs = llm.generate([{"prompt_token_ids": p} for p in GOOD_PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_unknown_engine_option_raises(tiny_llama_dir):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(str(tiny_llama_dir), max_num_seq=4)

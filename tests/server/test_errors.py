@@ -129,6 +129,14 @@ def test_missing_required_field(tiny_server: ServerProcess) -> None:
     assert_openai_error(response, 400, "prompt", "missing_required_parameter")
 
 
+def test_missing_nested_field_is_named_by_its_path(tiny_server: ServerProcess) -> None:
+    # OpenAI names the missing field itself, not the list that holds it.
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}, {"content": "x"}]}
+    response = post(tiny_server, "/v1/chat/completions", body)
+    error = assert_openai_error(response, 400, "messages[1].role", "missing_required_parameter")
+    assert "'messages[1].role'" in error["message"]
+
+
 def test_prompt_over_max_model_len(tiny_server: ServerProcess) -> None:
     long_prompt = [5] * 600  # the tiny model's context is 512 tokens
     response = post(tiny_server, "/v1/completions", ok_completion(prompt=long_prompt))

@@ -115,6 +115,35 @@ def test_constrained_tool_calls_validate_and_stream_the_same(
     assert streamed[0]["id"].startswith("call_")
 
 
+@pytest.mark.parametrize(
+    ("tool_choice", "max_tokens"),
+    [("required", 20), ({"type": "function", "function": {"name": "get_weather"}}, 8)],
+    ids=["required", "named"],
+)
+def test_a_call_cut_by_max_tokens_is_still_a_call_streamed_or_not(
+    client: openai.OpenAI, tool_choice: Any, max_tokens: int
+) -> None:
+    # Cut inside the arguments: OpenAI answers finish_reason "length" with the call and its
+    # arguments so far; the stream must carry the same call.
+    fields: dict[str, Any] = dict(
+        model=MODEL, tools=TOOLS, temperature=0, messages=MESSAGES, tool_choice=tool_choice,
+        max_tokens=max_tokens,
+    )
+    choice = client.chat.completions.create(**fields).choices[0]
+    assert choice.finish_reason == "length", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    with pytest.raises(ValueError):  # cut short: not yet a whole JSON value
+        json.loads(call.function.arguments)
+    assert call.function.arguments.startswith("{")
+    streamed, finish = _reassemble(client.chat.completions.create(**fields, stream=True))
+    assert finish == "length"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (call.function.name, call.function.arguments)
+    ]
+
+
 def test_follow_up_turn_with_the_tool_result(client: openai.OpenAI) -> None:
     first = _create(client, messages=MESSAGES, tool_choice="required").choices[0].message
     history = [
@@ -159,6 +188,26 @@ def test_hermes_auto_answers() -> None:
             text, PARSED_TOOLS, ToolChoice("none")
         )
         assert parse_answer(text, PARSED_TOOLS, auto).content == text
+
+
+def test_constrained_answers_cut_short() -> None:
+    required, named = ToolChoice("required"), ToolChoice("named", "get_weather")
+    cut = '{"name": "get_weather", "arguments": {"city": "Par'
+    (call,) = parse_answer(cut, PARSED_TOOLS, required).calls
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Par')
+    answer = parse_answer('{"city": "Par', PARSED_TOOLS, named)
+    assert answer.content is None
+    assert [(c.name, c.arguments) for c in answer.calls] == [("get_weather", '{"city": "Par')]
+    # Cut before the arguments begin: no call yet, the text stays content.
+    for text in ['{"name": "get_wea', '{"name": "get_weather", "argu']:
+        assert parse_answer(text, PARSED_TOOLS, required) == parse_answer(
+            text, PARSED_TOOLS, ToolChoice("none")
+        )
+    # Streamed, a cut required answer ends with the same call.
+    streamer = ToolCallStreamer(PARSED_TOOLS, required)
+    assert streamer.feed(cut) == ("", [])
+    rest, calls = streamer.finish()
+    assert rest == "" and [c["function"]["arguments"] for c in calls] == ['{"city": "Par']
 
 
 def test_streamed_auto_answer_holds_back_the_tool_call() -> None:

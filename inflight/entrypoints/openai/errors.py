@@ -112,8 +112,10 @@ def from_validation_error(error: ValidationError) -> OpenAIError:
         return bad_request(f"The request body must be a JSON object: {first['msg']}")
     param = location[0]
     if first["type"] == "missing":
+        # The full path, as OpenAI names it: 'messages[0].role', not 'messages'.
+        path = _path(first["loc"])
         return bad_request(
-            f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
+            f"Missing required parameter: '{path}'.", path, "missing_required_parameter"
         )
     if sum(1 for e in error.errors() if e["loc"][:1] == first["loc"][:1]) > 1:
         # A union (prompt, stop, content): pydantic reports one error per alternative.
@@ -126,6 +128,14 @@ def from_validation_error(error: ValidationError) -> OpenAIError:
     if len(got) > 60:
         got = got[:57] + "..."
     return bad_request(f"Invalid value for '{param}': {first['msg']} (got {got}).", param, code)
+
+
+def _path(location: tuple[int | str, ...]) -> str:
+    """pydantic's error location as OpenAI writes a parameter: ``messages[0].role``."""
+    path = ""
+    for part in location:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
 
 
 def from_engine_error(error: Exception) -> OpenAIError:

@@ -37,6 +37,12 @@ TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+# A required answer (tool_constraint's object) cut inside its arguments; names match _NAME.
+_REQUIRED_PREFIX = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*'
+    r"(?P<arguments>.*)",
+    re.DOTALL,
+)
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -229,14 +235,21 @@ def _call_block(call: Any) -> str:
 
 
 def constrained_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
-    """The call in a required/named answer ([] if it was cut short and does not parse)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
+    """The call in a required/named answer.
+
+    An answer cut short (``max_tokens``, finish reason ``length``) still holds its call,
+    with the arguments as generated so far (incomplete JSON), as OpenAI answers and as the
+    named choice streams them; only a required answer cut before its arguments begin has
+    no call ([]: the text stays content).
+    """
     if choice.mode == "named":  # the text is the arguments: sent as generated, as streamed
         assert choice.name is not None
         return [ToolCall(choice.name, text, new_call_id())]
+    try:
+        value = json.loads(text)
+    except ValueError:
+        cut = _REQUIRED_PREFIX.match(text)
+        return [ToolCall(cut["name"], cut["arguments"], new_call_id())] if cut else []
     return [ToolCall(value["name"], json.dumps(value["arguments"]), new_call_id())]
 
 
