@@ -26,11 +26,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from inflight.bench.module_times import ModuleTimes
 from inflight.bench.report import (
     BenchReport,
     Distribution,
@@ -122,8 +123,12 @@ def run_inflight(
     threads: int | None = None,
     profile: bool = False,
     sampling_extras: bool = False,
+    module_times: bool = False,
 ) -> RunResult:
     """Run ``workload`` through ``LLM.generate`` once, timed, with the step trace on.
+
+    With ``module_times`` each part of the model is timed by forward hooks (see
+    ``module_times``; the table is returned with the profile's and in the report).
 
     With ``profile`` the timed run is also recorded by torch's profiler (which slows it a
     little) and its per-op table is returned, followed by each kernel's time against its
@@ -147,7 +152,8 @@ def run_inflight(
 
     ledger = _attach_work_ledger(engine) if profile else None
     engine.timings.reset()
-    with _maybe_profile(profile) as profiler:
+    times = ModuleTimes(engine.runner.model) if module_times else None
+    with _maybe_profile(profile) as profiler, _maybe_time_modules(times):
         started = time.perf_counter()
         outputs = generate_workload(
             engine, workload, use_tqdm=use_tqdm, sampling_extras=sampling_extras
@@ -161,6 +167,8 @@ def run_inflight(
         if ledger is not None:
             bounds_table, kernel_bounds = _kernel_bounds(ledger, profiler, engine.timings.forward_s)
             profile_table += "\n\n" + bounds_table + "\n"
+    if times is not None:
+        profile_table = (profile_table or "") + times.format(wall) + "\n"
 
     latencies = []
     for request, output in zip(workload.requests, outputs, strict=True):
@@ -210,6 +218,7 @@ def run_inflight(
         num_cached_tokens=sum(o.num_cached_tokens for o in outputs),
     )
     report.kernel_bounds = kernel_bounds
+    report.module_times = times.to_json() if times is not None else None
     return RunResult(report, records, folded, profile_table)
 
 
@@ -288,6 +297,10 @@ def generate_workload(
     if pending:  # only a malformed workload (a dependency on a missing id) gets here
         raise ValueError(f"requests wait on ids that never ran: {sorted(pending)}")
     return [finished[r.id] for r in workload.requests]
+
+
+def _maybe_time_modules(times: ModuleTimes | None) -> AbstractContextManager[Any]:
+    return times.recording() if times is not None else nullcontext()
 
 
 @contextmanager

@@ -159,6 +159,8 @@ class BenchReport:
     num_prefill_tokens_computed: int = 0
     # with --profile: machine peaks and each kernel against its roofline (bench/roofline.py)
     kernel_bounds: dict | None = None
+    # with --module-times: each module kind's self time (bench/module_times.py)
+    module_times: list | None = None
 
     @property
     def cached_share(self) -> float:

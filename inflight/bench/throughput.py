@@ -131,6 +131,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         help="record inflight runs with torch's profiler; writes the per-op table next to "
         "the JSON (the step-phase breakdown is always reported)",
     )
+    runs.add_argument(
+        "--module-times",
+        action="store_true",
+        help="time each part of the model (linear layers, attention, MLP, norms) by forward "
+        "hooks, without the profiler's overhead on small ops; the table goes with the "
+        "profile's, next to the JSON",
+    )
     out = parser.add_argument_group("output")
     out.add_argument(
         "--output-json",
@@ -250,6 +257,7 @@ def execute(
             "threads": args.threads,
             "profile": args.profile,
             "sampling_extras": args.sampling_extras,
+            "module_times": args.module_times,
         }
     return run_isolated(fn, *call_args, **kwargs) if args.isolate else fn(*call_args, **kwargs)
 
@@ -339,7 +347,7 @@ def planned_files(args: argparse.Namespace, path: Path) -> list[Path]:
     files = [path, *(path.parent / p.trace_name for p in planned)]
     if args.plots:
         files += [path.parent / name for name in (*PICTURES, "throughput.png")]
-    if args.profile:
+    if args.profile or args.module_times:
         files += [path.parent / f"profile_{p.name}.txt" for p in planned if p.engine == "inflight"]
     return files
 
