@@ -1,9 +1,12 @@
 """Batched sampling from the logits of the sequences that sample this step.
 
 Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
-draw with the exponential-race trick (argmax of p / Exp(1) noise), which is one batched
-op; rows with a ``seed`` draw their noise from their own generator so their tokens do
-not depend on what else is in the batch.
+draw by inverse transform sampling: one uniform number per row, located in the row's
+cumulative distribution (float64, so that even the vocabulary's least likely tokens keep
+their probability). Rows with a ``seed`` draw their number from their own generator, so
+their tokens do not depend on what else is in the batch. (The exponential race that GPU
+engines use, argmax of p / Exp(1) noise, needs a random number per vocabulary entry:
+56 ms a step for 49 rows of SmolLM2's 49,152 on 2 CPU cores, against 5 ms for this.)
 
 Before either, ``suppressed`` token ids (stop and EOS ids of requests below their
 ``min_tokens``) are set to -inf in one indexed write for the whole batch; rows without
@@ -73,15 +76,18 @@ class Sampler:
         logits = _apply_top_k(logits, [p.top_k for p in params])
         probs = logits.softmax(dim=-1)
         probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
-        noise = torch.empty_like(probs).exponential_()
+        uniform = torch.rand(len(params), dtype=torch.float64, device=logits.device)
         for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
             if p.seed is not None:
                 try:
-                    noise[row].exponential_(generator=self._generator(request_id, p.seed))
+                    generator = self._generator(request_id, p.seed)
+                    uniform[row] = torch.rand(
+                        (), dtype=torch.float64, device=logits.device, generator=generator
+                    )
                 except Exception as error:  # this request's own state: fail it alone
                     self._generators.pop(request_id, None)
                     failed[request_id] = f"could not prepare the sampler for seed={p.seed}: {error}"
-        return (probs / noise).argmax(dim=-1)
+        return inverse_transform_sample(probs, uniform)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._generators.get(request_id)
@@ -90,6 +96,20 @@ class Sampler:
             generator.manual_seed(seed % _SEED_MODULUS)
             self._generators[request_id] = generator
         return generator
+
+
+def inverse_transform_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Token ids ``[N]`` drawn from ``probs [N, V]`` (rows need not sum to 1: top-p and
+    min-p zero some entries) with ``uniform [N]`` float64 numbers in [0, 1): row i takes
+    the first token whose cumulative mass exceeds ``uniform[i]`` times the row's total.
+
+    The target is kept strictly below the total, so a token of zero probability is never
+    taken, not even when the product rounds up or the last tokens were zeroed.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, total.new_zeros(())))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _suppress(logits: torch.Tensor, suppressed: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inflight import LLM, SamplingParams
-from inflight.worker.sampler import Sampler
+from inflight.worker.sampler import Sampler, inverse_transform_sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
 
@@ -27,6 +27,35 @@ def test_temperature_sampling_follows_softmax():
     frequencies = torch.bincount(tokens, minlength=6).float() / len(tokens)
     expected = LOGITS[0].softmax(-1)
     assert torch.allclose(frequencies, expected, atol=0.03), (frequencies, expected)
+
+
+def test_inverse_transform_takes_the_first_token_past_the_uniform_mass():
+    probs = torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)
+    cases = [(0.0, 0), (0.19, 0), (0.2, 1), (0.49, 1), (0.5, 2), (0.999, 2)]
+    for u, token in cases:
+        assert inverse_transform_sample(probs, torch.tensor([u], dtype=torch.float64)) == token
+    # Unnormalised rows with zeroed tokens (top-p, min-p): zeros are never taken, even at
+    # the ends of [0, 1), where the target could otherwise land on a flat stretch.
+    masked = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0]])
+    below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0))
+    for u, token in [(0.0, 1), (0.49, 1), (0.5, 3), (float(below_one), 3)]:
+        assert inverse_transform_sample(masked, torch.tensor([u], dtype=torch.float64)) == token
+    # Rows are independent, each with its own number.
+    both = torch.cat([probs, probs])
+    uniform = torch.tensor([0.1, 0.9], dtype=torch.float64)
+    assert inverse_transform_sample(both, uniform).tolist() == [0, 2]
+
+
+def test_a_tiny_probability_in_a_large_vocabulary_keeps_its_mass():
+    # float64 cumulative sums: one token of 1e-9 among 49,152 is drawn for exactly the
+    # uniform numbers in its own interval of the cumulative mass.
+    probs = torch.full((1, 49152), 1.0)
+    probs[0, 30000] = 1e-9
+    start = 30000.0 / (49151.0 + 1e-9)
+    inside = torch.tensor([start + 1e-15], dtype=torch.float64)
+    assert inverse_transform_sample(probs, inside).item() == 30000
+    after = torch.tensor([start + 1e-13], dtype=torch.float64)
+    assert inverse_transform_sample(probs, after).item() == 30001
 
 
 def test_top_k_keeps_only_k_best():
