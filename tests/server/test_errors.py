@@ -81,9 +81,12 @@ def test_wrong_types(tiny_server: ServerProcess, field: str, value: Any) -> None
 
 def test_wrong_types_in_chat(tiny_server: ServerProcess) -> None:
     # Any role *string* is passed to the template (tests/server/test_chat_messages.py).
-    for messages in ("hi", [{"content": "w3"}], [{"role": 5, "content": "w3"}], []):
+    for messages in ("hi", [{"role": 5, "content": "w3"}], []):
         body = {"model": "tiny", "messages": messages}
         assert_openai_error(post(tiny_server, "/v1/chat/completions", body), 400, "messages")
+    # A missing role is named by its path (test_missing_nested_field_is_named_by_its_path).
+    body = {"model": "tiny", "messages": [{"content": "w3"}]}
+    assert_openai_error(post(tiny_server, "/v1/chat/completions", body), 400, "messages[0].role")
 
 
 @pytest.mark.parametrize(
