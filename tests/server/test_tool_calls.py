@@ -198,8 +198,14 @@ def test_constrained_answers_cut_short() -> None:
     answer = parse_answer('{"city": "Par', PARSED_TOOLS, named)
     assert answer.content is None
     assert [(c.name, c.arguments) for c in answer.calls] == [("get_weather", '{"city": "Par')]
-    # Cut before the arguments begin: no call yet, the text stays content.
-    for text in ['{"name": "get_wea', '{"name": "get_weather", "argu']:
+    # Cut once the name is complete but before the arguments begin: the call, no arguments
+    # yet; cut inside the name: no call, the text stays content.
+    for text in ['{"name": "get_weather"', '{\n  "name": "get_weather",\n  "',
+                 '{"name": "get_weather", "argu', '{"name": "get_weather", "arguments": ']:
+        answer = parse_answer(text, PARSED_TOOLS, required)
+        assert answer.content is None, text
+        assert [(c.name, c.arguments) for c in answer.calls] == [("get_weather", "")], text
+    for text in ['{"name": "get_wea', '{"name": "get_weather", "x"']:
         assert parse_answer(text, PARSED_TOOLS, required) == parse_answer(
             text, PARSED_TOOLS, ToolChoice("none")
         )

@@ -37,12 +37,12 @@ TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-# A required answer (tool_constraint's object) cut inside its arguments; names match _NAME.
-_REQUIRED_PREFIX = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*'
-    r"(?P<arguments>.*)",
-    re.DOTALL,
+# A required answer (tool_constraint's object) whose name is complete (names match _NAME,
+# so need no escapes), and what may follow it in an answer cut short.
+_REQUIRED_NAME = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]{1,64})"\s*(?P<rest>.*)', re.DOTALL
 )
+_ARGUMENTS = re.compile(r'"arguments"\s*:\s*(?P<arguments>.*)', re.DOTALL)
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -239,8 +239,8 @@ def constrained_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
 
     An answer cut short (``max_tokens``, finish reason ``length``) still holds its call,
     with the arguments as generated so far (incomplete JSON), as OpenAI answers and as the
-    named choice streams them; only a required answer cut before its arguments begin has
-    no call ([]: the text stays content).
+    named choice streams them; only a required answer cut before its function's name is
+    complete has no call ([]: the text stays content).
     """
     if choice.mode == "named":  # the text is the arguments: sent as generated, as streamed
         assert choice.name is not None
@@ -248,9 +248,23 @@ def constrained_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
     try:
         value = json.loads(text)
     except ValueError:
-        cut = _REQUIRED_PREFIX.match(text)
-        return [ToolCall(cut["name"], cut["arguments"], new_call_id())] if cut else []
+        return _cut_required_call(text)
     return [ToolCall(value["name"], json.dumps(value["arguments"]), new_call_id())]
+
+
+def _cut_required_call(text: str) -> list[ToolCall]:
+    """The call of a required answer cut short: its name once complete, and the arguments
+    generated so far ("" while the ``"arguments"`` key is still being written)."""
+    head = _REQUIRED_NAME.match(text)
+    if head is None:
+        return []
+    rest = head["rest"].removeprefix(",").lstrip()
+    body = _ARGUMENTS.match(rest)
+    if body is not None:
+        return [ToolCall(head["name"], body["arguments"], new_call_id())]
+    if '"arguments"'.startswith(rest.rstrip()):
+        return [ToolCall(head["name"], "", new_call_id())]
+    return []
 
 
 def parse_hermes(text: str, tools: Sequence[FunctionTool]) -> tuple[str | None, list[ToolCall]]:
