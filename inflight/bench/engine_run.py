@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from inflight.bench.module_times import ModuleTimes
 from inflight.bench.report import (
     BenchReport,
     Distribution,
@@ -50,6 +49,7 @@ from inflight.bench.workloads import (
 from inflight.engine.step_trace import StepRecord
 
 if TYPE_CHECKING:
+    from inflight.bench.module_times import ModuleTimes
     from inflight.bench.work_ledger import KernelWork
     from inflight.engine.llm_engine import LLMEngine
     from inflight.outputs import RequestOutput
@@ -152,7 +152,11 @@ def run_inflight(
 
     ledger = _attach_work_ledger(engine) if profile else None
     engine.timings.reset()
-    times = ModuleTimes(engine.runner.model) if module_times else None
+    times = None
+    if module_times:  # imported here, as the other torch-side helpers
+        from inflight.bench.module_times import ModuleTimes
+
+        times = ModuleTimes(engine.runner.model)
     with _maybe_profile(profile) as profiler, _maybe_time_modules(times):
         started = time.perf_counter()
         outputs = generate_workload(
