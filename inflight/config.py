@@ -8,7 +8,7 @@ BATCHING_MODES = ("continuous", "static")
 # KV cache element type; "auto" follows the model's dtype, "int8" stores each token's K/V
 # per head as int8 with a float32 scale (half of bfloat16's bytes).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
-QUANTIZATION_MODES = (None, "gguf", "none")
+QUANTIZATION_MODES = (None, "gguf", "none", "w8a8")
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -103,7 +103,8 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     # None: a GGUF file's quantised weights serve small batches when the CPU kernel can
-    # (see worker/device.py); "gguf": require that; "none": dense weights only.
+    # (see worker/device.py); "gguf": require that; "none": dense weights only; "w8a8":
+    # as None, and the other steps' linear layers in dynamic int8 (CPU; model/llama.py).
     quantization: str | None = None
 
     def __post_init__(self) -> None:

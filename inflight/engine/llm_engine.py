@@ -164,6 +164,8 @@ class LLMEngine:
         )
         self._trace_origin = time.monotonic()
         self._next_id = 0
+        if config.model.quantization == "w8a8":
+            self._quantize_w8a8()
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -376,13 +378,38 @@ class LLMEngine:
             self.add_request(f"inflight-warmup-{index}", {"prompt_token_ids": ids}, params)
         while self.has_unfinished_requests():
             self.step()
+        self._forget_history()
+        return time.monotonic() - started
+
+    def _forget_history(self) -> None:
+        """Drop what internal requests left behind: cached blocks, counters, trace, timings."""
         self.kv_cache.reset_prefix_cache()
         self.kv_cache.prefix_stats = PrefixCacheStats()
         self.scheduler.reset_counters()
         self.step_trace.clear()
         self._trace_origin = time.monotonic()
         self.timings.reset()
-        return time.monotonic() - started
+
+    def _quantize_w8a8(self) -> None:
+        """``quantization="w8a8"``: run the calibration texts through the dense model to
+        find each linear's input range per column, then switch the decoder layers to
+        smoothed int8 weights (model/w8a8.py)."""
+        from inflight.model import w8a8
+
+        w8a8.check_supported(self.device)
+        model = self.runner.model
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        with w8a8.ActivationRanges(model) as ranges:
+            for index, text in enumerate(w8a8.CALIBRATION_TEXTS):
+                ids = list(self.tokenizer.encode(text))
+                ids = ids[: max(1, self.max_model_len - 2)]
+                self.add_request(f"inflight-calibration-{index}", {"prompt_token_ids": ids}, params)
+            while self.has_unfinished_requests():
+                self.step()
+        count = w8a8.quantize_linears(model, ranges.maxima)
+        self._forget_history()
+        logger.info("w8a8: %d linear layers in int8, smoothed from %d calibration texts",
+                    count, len(w8a8.CALIBRATION_TEXTS))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (nothing changed) while requests hold

@@ -29,9 +29,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                        "transformers), the model's dtype on CUDA; float16 needs --device cuda")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
     group.add_argument(
-        "--quantization", default=None, choices=["gguf", "none"],
+        "--quantization", default=None, choices=["gguf", "none", "w8a8"],
         help="gguf: small batches read a GGUF file's quantised weights (the default when "
-        "the CPU kernel is available); none: dense weights only",
+        "the CPU kernel is available); none: dense weights only; w8a8: as the default, and "
+        "the larger steps' linear layers in int8 (weights per channel, activations per "
+        "token, quantised at run time; CPU only)",
     )
     group.add_argument(
         "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),

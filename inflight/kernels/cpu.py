@@ -1,6 +1,7 @@
 """The C++ CPU kernels: built on first use, cached by torch.
 
-``csrc/*.cpp`` (paged attention, prompt attention, GGUF block matmul, fused layer ops) are compiled together with
+``csrc/*.cpp`` (paged attention, prompt attention, GGUF block matmul, int8 W8A8 linear,
+fused layer ops) are compiled together with
 ``torch.utils.cpp_extension`` (g++ and ninja) into torch's extension cache, once per
 source version; ``scripts/bootstrap.sh`` builds them at install time so the first engine
 start does not pay for it. If the build fails (no compiler), :func:`available` says so and
@@ -146,6 +147,22 @@ def decode_layer(
         x, pending, *fixed, positions, cos, sin, k_cache, v_cache, k_scale, v_scale,
         slot_mapping, *step,
     )
+
+
+def int8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> (int8 ``[N, K]``, float32 scale ``[N]``): symmetric, per output
+    channel, scale = max |row| / 127 (see csrc/int8_linear.cpp)."""
+    wq, scale = torch.ops.inflight.int8_quantize_weight(weight)
+    return wq, scale
+
+
+def int8_linear(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+    smooth_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(x * smooth_inv) [M, K] float32 @ W.T`` -> ``[M, N]`` float32, with W given by
+    :func:`int8_quantize_weight` and x quantised per row (dynamic W8A8)."""
+    return torch.ops.inflight.int8_linear(x, wq, w_scale, smooth_inv)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,9 @@ class Linear(nn.Module):
         self.block_max_rows = 0
         # oneDNN's blocked copy of a bfloat16 weight (see use_packed_weight).
         self.packed: torch.Tensor | None = None
+        # (int8 weight [out, in], float32 scale [out], input column multipliers [in] or
+        # None) for dynamic W8A8 (see use_int8).
+        self.int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     def use_blocks(self, blocks: QuantizedWeight | None, max_rows: int) -> None:
         if blocks is not None and tuple(blocks.blocks.shape[:1]) != self.weight.shape[:1]:
@@ -62,6 +65,20 @@ class Linear(nn.Module):
         instead of 39 (weights read from memory), and ``mixed`` 3% less time."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
+    def use_int8(self, smooth: torch.Tensor | None = None) -> None:
+        """Quantise the weight to int8 per output channel (``quantization="w8a8"``, see
+        model/w8a8.py): steps that do not read GGUF blocks then run the dynamic W8A8
+        kernel, activations quantised per token (csrc/int8_linear.cpp). ``smooth [in]``
+        (positive): SmoothQuant's factors, the weight's columns are multiplied by them
+        and the inputs' columns divided. CPU only."""
+        weight = self.weight.detach().float()
+        smooth_inv = None
+        if smooth is not None:
+            weight = weight * smooth
+            smooth_inv = (1.0 / smooth).float().contiguous()
+        self.int8 = (*cpu_kernels.int8_quantize_weight(weight), smooth_inv)
+        self.packed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -69,12 +86,15 @@ class Linear(nn.Module):
             y = cpu_kernels.gguf_matmul(
                 x.float().contiguous(), self.blocks.blocks, self.blocks.ggml_type
             )
-            if self.bias is not None:
-                y += self.bias
-            return y.to(x.dtype)
-        if x.dtype != self.weight.dtype:  # a float32 small step on a layer without blocks
-            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        elif self.int8 is not None:
+            y = cpu_kernels.int8_linear(x.float().contiguous(), *self.int8)
+        else:
+            if x.dtype != self.weight.dtype:  # a float32 small step on a layer without blocks
+                return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
 
 
 class Embedding(nn.Module):
