@@ -71,6 +71,8 @@ class Linear(nn.Module):
         kernel, activations quantised per token (csrc/int8_linear.cpp). ``smooth [in]``
         (positive): SmoothQuant's factors, the weight's columns are multiplied by them
         and the inputs' columns divided. CPU only."""
+        if self.int8 is not None:
+            raise RuntimeError("use_int8() once: the dense weight is gone after the first call")
         weight = self.weight.detach().float()
         smooth_inv = None
         if smooth is not None:
@@ -78,6 +80,13 @@ class Linear(nn.Module):
             smooth_inv = (1.0 / smooth).float().contiguous()
         self.int8 = (*cpu_kernels.int8_quantize_weight(weight), smooth_inv)
         self.packed = None
+        # The dense weight is not read again: keep its shape and dtype (FLOP counts, the
+        # activation dtype) without its memory (the decoder linears are 4/5 of the model).
+        shape, dtype = self.weight.shape, self.weight.dtype
+        self.weight = nn.Parameter(
+            torch.zeros(1, dtype=dtype, device=self.weight.device).expand(shape),
+            requires_grad=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == self.weight.dtype:
