@@ -98,6 +98,10 @@ class LLMEngine:
         from inflight.worker.model_runner import ModelRunner
 
         torch.manual_seed(config.model.seed)
+        if config.model.quantization == "w8a8":  # before loading anything
+            from inflight.model import w8a8
+
+            w8a8.check_supported(pick_device(config.model.device))
         path = config.model.model or default_model_path()
         checkpoint = load_checkpoint(path)
         arch = checkpoint.arch
@@ -396,16 +400,17 @@ class LLMEngine:
         smoothed int8 weights (model/w8a8.py)."""
         from inflight.model import w8a8
 
-        w8a8.check_supported(self.device)
         model = self.runner.model
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        with w8a8.ActivationRanges(model) as ranges:
+        with w8a8.dense_only(model), w8a8.ActivationRanges(model) as ranges:
             for index, text in enumerate(w8a8.CALIBRATION_TEXTS):
                 ids = list(self.tokenizer.encode(text))
                 ids = ids[: max(1, self.max_model_len - 2)]
+                # One text at a time, so its steps (and their rounding) do not depend on
+                # max_num_seqs; whole in one step unless the token budget is under ~50.
                 self.add_request(f"inflight-calibration-{index}", {"prompt_token_ids": ids}, params)
-            while self.has_unfinished_requests():
-                self.step()
+                while self.has_unfinished_requests():
+                    self.step()
         count = w8a8.quantize_linears(model, ranges.maxima)
         self._forget_history()
         logger.info("w8a8: %d linear layers in int8, smoothed from %d calibration texts",

@@ -31,9 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group.add_argument(
         "--quantization", default=None, choices=["gguf", "none", "w8a8"],
         help="gguf: small batches read a GGUF file's quantised weights (the default when "
-        "the CPU kernel is available); none: dense weights only; w8a8: as the default, and "
-        "the larger steps' linear layers in int8 (weights per channel, activations per "
-        "token, quantised at run time; CPU only)",
+        "the CPU kernel is available); none: dense weights only; w8a8: GGUF blocks for small "
+        "steps as by default, and every other step's decoder linears in int8 (weights "
+        "per channel, smoothed from a calibration pass at start-up; activations per token, "
+        "quantised at run time): faster large batches at a cost in precision; CPU only",
     )
     group.add_argument(
         "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),

@@ -85,11 +85,12 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::T
   TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kChar && wq.is_contiguous() &&
                   wq.size(1) == x_in.size(1),
               "wq must be contiguous int8 [N, K] with K = ", x_in.size(1));
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == wq.size(0),
-              "w_scale must be float32 [N]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.dim() == 1 &&
+                  w_scale.is_contiguous() && w_scale.size(0) == wq.size(0),
+              "w_scale must be contiguous float32 [N]");
   TORCH_CHECK(!smooth_inv.has_value() ||
-                  (smooth_inv->scalar_type() == at::kFloat && smooth_inv->is_contiguous() &&
-                   smooth_inv->numel() == x_in.size(1)),
+                  (smooth_inv->scalar_type() == at::kFloat && smooth_inv->dim() == 1 &&
+                   smooth_inv->is_contiguous() && smooth_inv->size(0) == x_in.size(1)),
               "smooth_inv must be contiguous float32 [K]");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = wq.size(0);
