@@ -102,18 +102,13 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::T
                 smooth_inv.has_value() ? smooth_inv->data_ptr<float>() : nullptr, M, K,
                 xq.data_ptr<int8_t>(), x_scale.data_ptr<float>());
   const at::Tensor wt = wq.t();  // [K, N], column-major: oneDNN reads it as is
-  // The int32 products of a chunk, in a buffer each thread keeps between calls: a fresh
-  // one (up to kChunk x N x 4 bytes) costs page faults on every call.
-  static thread_local at::Tensor acc_buffer;
-  const int64_t acc_size = std::min(M, kChunk) * N;
-  if (!acc_buffer.defined() || acc_buffer.numel() < acc_size)
-    acc_buffer = at::empty({acc_size}, x.options().dtype(at::kInt));
+  auto acc = at::empty({std::min(M, kChunk), N}, x.options().dtype(at::kInt));
   const float* xs = x_scale.data_ptr<float>();
   const float* ws = w_scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
     const int64_t rows = std::min(kChunk, M - m0);
-    at::Tensor out = acc_buffer.narrow(0, 0, rows * N).view({rows, N});
+    at::Tensor out = acc.narrow(0, 0, rows);
     at::_int_mm_out(out, xq.narrow(0, m0, rows), wt);
     const int32_t* a = out.data_ptr<int32_t>();
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
