@@ -377,13 +377,21 @@ class LLMEngine:
                             capacity - num_decode_steps))
         params = SamplingParams(temperature=0.0, max_tokens=num_decode_steps, ignore_eos=True)
         # Two prompts of different lengths: batched prefill and decode, as clients send.
-        for index, size in enumerate((length, max(1, length // 2))):
-            ids = [1 + (index + i) % (self.vocab_size - 1) for i in range(size)]
-            self.add_request(f"inflight-warmup-{index}", {"prompt_token_ids": ids}, params)
-        while self.has_unfinished_requests():
-            self.step()
+        self._run_internal("inflight-warmup", [
+            [1 + (index + i) % (self.vocab_size - 1) for i in range(size)]
+            for index, size in enumerate((length, max(1, length // 2)))
+        ], params)
         self._forget_history()
         return time.monotonic() - started
+
+    def _run_internal(
+        self, name: str, prompts: list[list[int]], params: SamplingParams
+    ) -> None:
+        """Add ``prompts`` as requests ``{name}-{i}`` and step until none is unfinished."""
+        for index, ids in enumerate(prompts):
+            self.add_request(f"{name}-{index}", {"prompt_token_ids": ids}, params)
+        while self.has_unfinished_requests():
+            self.step()
 
     def _forget_history(self) -> None:
         """Drop what internal requests left behind: cached blocks, counters, trace, timings."""
@@ -404,13 +412,10 @@ class LLMEngine:
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         with w8a8.dense_only(model), w8a8.ActivationRanges(model) as ranges:
             for index, text in enumerate(w8a8.CALIBRATION_TEXTS):
-                ids = list(self.tokenizer.encode(text))
-                ids = ids[: max(1, self.max_model_len - 2)]
+                ids = list(self.tokenizer.encode(text))[: max(1, self.max_model_len - 2)]
                 # One text at a time, so its steps (and their rounding) do not depend on
                 # max_num_seqs; whole in one step unless the token budget is under ~50.
-                self.add_request(f"inflight-calibration-{index}", {"prompt_token_ids": ids}, params)
-                while self.has_unfinished_requests():
-                    self.step()
+                self._run_internal(f"inflight-calibration-{index}", [ids], params)
         count = w8a8.quantize_linears(model, ranges.maxima)
         self._forget_history()
         logger.info("w8a8: %d linear layers in int8, smoothed from %d calibration texts",
