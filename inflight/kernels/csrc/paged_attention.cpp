@@ -40,7 +40,7 @@ namespace {
 using namespace inflight_vec;
 
 constexpr int64_t kQueryTile = 16;
-constexpr int64_t kPrefetchBlocks = 2;
+constexpr int64_t kPrefetchBlocks = 4;
 
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -184,8 +184,14 @@ struct Item {
   void prefetch_key_blocks(int64_t first, int64_t count) const {
     const int64_t bytes = shape.head_dim * shape.block_size * static_cast<int64_t>(sizeof(kv_t));
     const int64_t end = std::min(first + count, num_key_blocks());
+    const int64_t row_stride = shape.num_kv_heads * shape.head_dim;
+    const int64_t value_bytes = shape.head_dim * static_cast<int64_t>(sizeof(kv_t));
     for (int64_t b = first; b < end; ++b) {
       prefetch(key_block(b), bytes);
+      // The values follow in the next pass: fetch them now, while the keys are scored,
+      // so the block's DRAM reads overlap (a sequence's K/V for one head fit in L2).
+      const kv_t* values = value_block(b);
+      for (int64_t i = 0; i < shape.block_size; ++i) prefetch(values + i * row_stride, value_bytes);
       if (key_scales != nullptr) {
         const int64_t scale_bytes = shape.block_size * static_cast<int64_t>(sizeof(float));
         prefetch(k_scale_cache + scale_offset(b), scale_bytes);
@@ -197,6 +203,8 @@ struct Item {
   template <int NR, int NB>
   void score_few_rows() {  // rows == NR, NB blocks per pass
     const int64_t D = shape.head_dim, blocks = num_key_blocks();
+    // The first blocks too: the loop below only fetches ahead of itself.
+    prefetch_key_blocks(0, std::max<int64_t>(NB, kPrefetchBlocks));
     int64_t b = 0;
     for (; b + NB <= blocks; b += NB) {
       prefetch_key_blocks(b + std::max<int64_t>(NB, kPrefetchBlocks), NB);

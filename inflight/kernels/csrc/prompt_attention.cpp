@@ -15,7 +15,8 @@
 //    repacked into pairs along the dot product's axis (keys: [block of 16][D/2][16][2];
 //    values: [key pair][D][2]), then (prompt, KV head, 16-query tile) items compute exact
 //    float32 scores, a float32 softmax over each row's visible keys, and P @ V with P
-//    rounded to bfloat16 (as PyTorch's flash kernel does for bfloat16). On the AMD EPYC
+//    split into two bfloat16 parts (hi + lo: P to ~16 bits, where PyTorch's flash kernel
+//    rounds it to bfloat16's 8). On the AMD EPYC
 //    (Zen 5) this project measured, PyTorch's flash SDPA ran these shapes at 50-120
 //    GFLOP/s while the bfloat16 dot product's peak is ~1000.
 //  - otherwise one call of PyTorch's scaled_dot_product_attention per prompt (its CPU
@@ -141,27 +142,33 @@ void score_rows(const uint32_t* const* qrows, const uint32_t* keys, int64_t bloc
     score_tile<NR, 1>(qrows, keys + b * pairs * 16, pairs, scale, scores + b * 16, stride);
 }
 
-// out rows (float32 [NR][16 * CH]) = P[NR][: 2 * key_pairs] @ V, P as bfloat16 pairs.
+// out rows (float32 [NR][16 * CH]) = P[NR][: 2 * key_pairs] @ V, P given as two bfloat16
+// parts (hi + lo, pairs): P's float32 value to ~16 bits, where hi alone would round each
+// probability to 8 bits (measured: twice PyTorch's bfloat16 SDPA's error on top of the
+// output's own rounding, and fewer greedy tokens agreeing with float32).
 template <int NR, int CH>
-void weigh_rows(const uint32_t* probs, int64_t prob_stride, const uint32_t* values,
-                int64_t key_pairs, int64_t D, float* out) {
+void weigh_rows(const uint32_t* hi, const uint32_t* lo, int64_t prob_stride,
+                const uint32_t* values, int64_t key_pairs, int64_t D, float* out) {
   __m512 acc[NR * CH];
   for (int i = 0; i < NR * CH; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t tp = 0; tp < key_pairs; ++tp) {
     __m512i vv[CH];
     for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_si512(values + tp * D + c * 16);
     for (int r = 0; r < NR; ++r) {
-      const __m512i pv = _mm512_set1_epi32(static_cast<int>(probs[r * prob_stride + tp]));
-      for (int c = 0; c < CH; ++c) acc[r * CH + c] = dot_pairs(acc[r * CH + c], pv, vv[c]);
+      const __m512i ph = _mm512_set1_epi32(static_cast<int>(hi[r * prob_stride + tp]));
+      const __m512i pl = _mm512_set1_epi32(static_cast<int>(lo[r * prob_stride + tp]));
+      for (int c = 0; c < CH; ++c)
+        acc[r * CH + c] = dot_pairs(dot_pairs(acc[r * CH + c], ph, vv[c]), pl, vv[c]);
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + r * D + c * 16, acc[r * CH + c]);
 }
 
-// Softmax of one row of scores over its first `visible` keys, written as bfloat16
-// probabilities (zero past `visible`, up to 2 * pair_count entries).
-void softmax_to_bf16(float* row, int64_t visible, int64_t pair_count, at::BFloat16* probs) {
+// Softmax of one row of scores over its first `visible` keys, written as bfloat16 hi and
+// lo parts (zero past `visible`, up to 2 * pair_count entries each).
+void softmax_to_bf16(float* row, int64_t visible, int64_t pair_count, at::BFloat16* hi,
+                     at::BFloat16* lo) {
   const int64_t padded = (visible + 15) / 16 * 16;
   for (int64_t t = visible; t < padded; ++t) row[t] = -std::numeric_limits<float>::infinity();
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -174,8 +181,12 @@ void softmax_to_bf16(float* row, int64_t visible, int64_t pair_count, at::BFloat
     sum = _mm512_add_ps(sum, e);
   }
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t t = 0; t < padded; t += 16) store16(probs + t, _mm512_mul_ps(_mm512_loadu_ps(row + t), inv));
-  for (int64_t t = padded; t < 2 * pair_count; ++t) probs[t] = at::BFloat16(0.f);
+  for (int64_t t = 0; t < padded; t += 16) {
+    const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(row + t), inv);
+    store16(hi + t, p);
+    store16(lo + t, _mm512_sub_ps(p, load16(hi + t)));
+  }
+  for (int64_t t = padded; t < 2 * pair_count; ++t) hi[t] = lo[t] = at::BFloat16(0.f);
 }
 
 struct TileItem {
@@ -236,7 +247,7 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores, result;
-    std::vector<at::BFloat16> probs;
+    std::vector<at::BFloat16> probs, probs_lo;
     std::vector<const uint32_t*> qrows;
     for (int64_t w = next++; w < num_items; w = next++) {
       const TileItem it = items[order[w]];
@@ -248,6 +259,7 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       const int64_t prob_stride = stride / 2;     // pairs per row of probs
       scores.resize(rows * stride);
       probs.resize(rows * stride);
+      probs_lo.resize(rows * stride);
       result.resize(rows * D);
       qrows.resize(rows);
       // row r = (query it.q_begin + r / G, head kv_head * G + r % G)
@@ -268,9 +280,10 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t visible = it.q_begin + row / G + 1;
         softmax_to_bf16(scores.data() + row * stride, visible, prob_stride,
-                        probs.data() + row * stride);
+                        probs.data() + row * stride, probs_lo.data() + row * stride);
       }
       const auto* pw = reinterpret_cast<const uint32_t*>(probs.data());
+      const auto* pw_lo = reinterpret_cast<const uint32_t*>(probs_lo.data());
       // Rows per pass keep NR * CH accumulators in registers (CH = D / 16).
       for (int64_t row = 0; row < rows;) {
         // the rows' last one sees the most keys: pairs up to there
@@ -278,25 +291,28 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         const int64_t last_visible = it.q_begin + (row + n - 1) / G + 1;
         const int64_t kp_count = std::min(key_pairs, (last_visible + 1) / 2);
         const uint32_t* pr = pw + row * prob_stride;
+        const uint32_t* pl = pw_lo + row * prob_stride;
         float* o = result.data() + row * D;
         if (D == 64) {
           switch (n) {
-            case 1: weigh_rows<1, 4>(pr, prob_stride, p.values, kp_count, D, o); break;
-            case 2: weigh_rows<2, 4>(pr, prob_stride, p.values, kp_count, D, o); break;
-            case 3: weigh_rows<3, 4>(pr, prob_stride, p.values, kp_count, D, o); break;
-            default: weigh_rows<4, 4>(pr, prob_stride, p.values, kp_count, D, o); break;
+            case 1: weigh_rows<1, 4>(pr, pl, prob_stride, p.values, kp_count, D, o); break;
+            case 2: weigh_rows<2, 4>(pr, pl, prob_stride, p.values, kp_count, D, o); break;
+            case 3: weigh_rows<3, 4>(pr, pl, prob_stride, p.values, kp_count, D, o); break;
+            default: weigh_rows<4, 4>(pr, pl, prob_stride, p.values, kp_count, D, o); break;
           }
         } else if (D == 128) {
-          if (n == 1) weigh_rows<1, 8>(pr, prob_stride, p.values, kp_count, D, o);
-          else weigh_rows<2, 8>(pr, prob_stride, p.values, kp_count, D, o);
+          if (n == 1) weigh_rows<1, 8>(pr, pl, prob_stride, p.values, kp_count, D, o);
+          else weigh_rows<2, 8>(pr, pl, prob_stride, p.values, kp_count, D, o);
         } else {  // D == 32 or 96: one chunk of 16 at a time
           for (int64_t rr = 0; rr < n; ++rr)
             for (int64_t c = 0; c < D / 16; ++c) {
-              // reuse the 1-row, 1-chunk kernel on a shifted view of the values
               __m512 acc = _mm512_setzero_ps();
               for (int64_t tp = 0; tp < kp_count; ++tp)
-                acc = dot_pairs(acc, _mm512_set1_epi32(static_cast<int>(pr[rr * prob_stride + tp])),
-                                _mm512_loadu_si512(p.values + tp * D + c * 16));
+              {
+                const __m512i vv = _mm512_loadu_si512(p.values + tp * D + c * 16);
+                acc = dot_pairs(acc, _mm512_set1_epi32(static_cast<int>(pr[rr * prob_stride + tp])), vv);
+                acc = dot_pairs(acc, _mm512_set1_epi32(static_cast<int>(pl[rr * prob_stride + tp])), vv);
+              }
               _mm512_storeu_ps(o + rr * D + c * 16, acc);
             }
         }
