@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from inflight.attention.torch_paged import paged_attention, quantize_kv, write_kv
 from inflight.core.interface import ScheduledRequest, SchedulerOutput
+from inflight.cpu_info import cpu_flags
 from inflight.kernels import cpu as cpu_kernels
 from inflight.sampling_params import SamplingParams
 from inflight.worker.input_batch import build_model_inputs
@@ -215,4 +216,12 @@ def test_kernel_takes_bfloat16_queries_as_their_float32_values():
     out16 = paged_attention(q16, k_new, v_new, k_cache, v_cache, inputs.attention, 0.125)
     out32 = paged_attention(q16.float(), k_new, v_new, k_cache, v_cache, inputs.attention, 0.125)
     assert out16.dtype == torch.bfloat16
-    assert torch.equal(out16, out32.to(torch.bfloat16))
+    if "avx512_bf16" not in cpu_flags():
+        assert torch.equal(out16, out32.to(torch.bfloat16))
+        return
+    # With AVX512-BF16, bfloat16 queries against a bfloat16 cache are scored with bfloat16
+    # dot products: the same exact products, summed in another order, so an output may
+    # round to the neighbouring bfloat16 value, and no further.
+    expected = out32.to(torch.bfloat16).float()
+    torch.testing.assert_close(out16.float(), expected, rtol=2 ** -7, atol=1e-6)
+    assert (out16.float() != expected).float().mean() < 0.05

@@ -82,6 +82,46 @@ inline void score_blocks(const float* queries, int64_t D, const kv_t* const* kb,
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(scores + j * row_stride + b * 16, acc[j * NB + b]);
 }
 
+#if defined(__AVX512BF16__)
+// score_blocks for bfloat16 queries and keys with bfloat16 dot products (vdpbf16ps: two
+// multiply-adds per float32 lane). A 64-byte load holds key rows d and d+1 of a block;
+// one permute interleaves them into (k[d][i], k[d+1][i]) pairs, against the broadcast
+// query pair (q[d], q[d+1]). Per two dimensions: one load, one permute and NR dot products
+// per block, where converting to float32 takes two loads, four conversions and 2 NR FMAs.
+// The queries are unscaled (exactly the model's bfloat16 values); the scale comes after.
+template <int NR, int NB>
+inline void score_blocks_bf16(const at::BFloat16* queries, int64_t D,
+                              const at::BFloat16* const* kb, float* scores, int64_t row_stride,
+                              float scale) {
+  static const __m512i interleave = [] {
+    alignas(64) int16_t lanes[32];
+    for (int i = 0; i < 16; ++i) {
+      lanes[2 * i] = static_cast<int16_t>(i);
+      lanes[2 * i + 1] = static_cast<int16_t>(16 + i);
+    }
+    return _mm512_load_si512(lanes);
+  }();
+  __m512 acc[NR * NB];
+  for (int i = 0; i < NR * NB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {
+    __m512i kd[NB];
+    for (int b = 0; b < NB; ++b)
+      kd[b] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(kb[b] + d * 16));
+    for (int j = 0; j < NR; ++j) {
+      uint32_t pair;
+      std::memcpy(&pair, queries + j * D + d, sizeof(pair));
+      const __m512i qd = _mm512_set1_epi32(static_cast<int>(pair));
+      for (int b = 0; b < NB; ++b)
+        acc[j * NB + b] = _mm512_dpbf16_ps(acc[j * NB + b], (__m512bh)qd, (__m512bh)kd[b]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int j = 0; j < NR; ++j)
+    for (int b = 0; b < NB; ++b)
+      _mm512_storeu_ps(scores + j * row_stride + b * 16, _mm512_mul_ps(acc[j * NB + b], sc));
+}
+#endif
+
 // out[NR][16 * CH] = probs[NR][:num_keys] @ V. Walks V block by block: block_rows(b) is
 // the first value row of block b, the next rows follow at row_stride elements.
 template <int NR, int CH, typename kv_t, typename BlockFn>
@@ -119,6 +159,9 @@ struct Item {
   int64_t num_keys;    // keys the last query of the tile can see
   int64_t padded_keys; // num_keys rounded up to whole blocks
   const float* queries;  // [rows, D], already scaled
+  // bfloat16 queries and cache with AVX512-BF16: the rows unscaled, for score_blocks_bf16
+  const at::BFloat16* queries_bf16;
+  float scale;
   float* scores;         // [rows, padded_keys]
   float* out;            // [rows, D]
   // int8 caches: the cache's [num_blocks, KVH, block_size] scales, and this item's copies
@@ -200,6 +243,22 @@ struct Item {
     }
   }
 
+  // Scores of NR rows (from `row`) against NB blocks: bfloat16 dot products where the
+  // queries came as bfloat16 (see attend), else float32 FMAs on the scaled queries.
+  template <int NR, int NB>
+  void score(int64_t row, const kv_t* const* kb, float* out) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+      if (queries_bf16 != nullptr) {
+        score_blocks_bf16<NR, NB>(queries_bf16 + row * shape.head_dim, shape.head_dim, kb, out,
+                                  padded_keys, scale);
+        return;
+      }
+    }
+#endif
+    score_blocks<NR, NB>(queries + row * shape.head_dim, shape.head_dim, kb, out, padded_keys);
+  }
+
   template <int NR, int NB>
   void score_few_rows() {  // rows == NR, NB blocks per pass
     const int64_t D = shape.head_dim, blocks = num_key_blocks();
@@ -213,12 +272,12 @@ struct Item {
         kb[j] = key_block(b + j);
         take_scales(b + j);
       }
-      score_blocks<NR, NB>(queries, D, kb, scores + b * 16, padded_keys);
+      score<NR, NB>(0, kb, scores + b * 16);
     }
     for (; b < blocks; ++b) {
       take_scales(b);
       const kv_t* kb[1] = {key_block(b)};
-      score_blocks<NR, 1>(queries, D, kb, scores + b * 16, padded_keys);
+      score<NR, 1>(0, kb, scores + b * 16);
     }
   }
 
@@ -230,17 +289,16 @@ struct Item {
       const kv_t* kb[1] = {key_block(b)};
       int64_t r = 0;
       for (; r + 8 <= rows; r += 8)
-        score_blocks<8, 1>(queries + r * D, D, kb, scores + r * padded_keys + b * 16, padded_keys);
-      const float* q = queries + r * D;
+        score<8, 1>(r, kb, scores + r * padded_keys + b * 16);
       float* out_scores = scores + r * padded_keys + b * 16;
       switch (rows - r) {
-        case 1: score_blocks<1, 1>(q, D, kb, out_scores, padded_keys); break;
-        case 2: score_blocks<2, 1>(q, D, kb, out_scores, padded_keys); break;
-        case 3: score_blocks<3, 1>(q, D, kb, out_scores, padded_keys); break;
-        case 4: score_blocks<4, 1>(q, D, kb, out_scores, padded_keys); break;
-        case 5: score_blocks<5, 1>(q, D, kb, out_scores, padded_keys); break;
-        case 6: score_blocks<6, 1>(q, D, kb, out_scores, padded_keys); break;
-        case 7: score_blocks<7, 1>(q, D, kb, out_scores, padded_keys); break;
+        case 1: score<1, 1>(r, kb, out_scores); break;
+        case 2: score<2, 1>(r, kb, out_scores); break;
+        case 3: score<3, 1>(r, kb, out_scores); break;
+        case 4: score<4, 1>(r, kb, out_scores); break;
+        case 5: score<5, 1>(r, kb, out_scores); break;
+        case 6: score<6, 1>(r, kb, out_scores); break;
+        case 7: score<7, 1>(r, kb, out_scores); break;
         default: break;
       }
     }
@@ -400,8 +458,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const float* k_scale_ptr = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
   const float* v_scale_ptr = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
 
+  // bfloat16 queries against a bfloat16 cache: keys scored with bfloat16 dot products
+  // (score_blocks_bf16), the queries' exact values; float32 queries keep float32 FMAs.
+  bool bf16_dots = false;
+#if defined(__AVX512BF16__)
+  bf16_dots = std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16> &&
+              shape.block_size == 16 && D % 2 == 0;
+#endif
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> queries, scores, result, key_scales, value_scales;
+    std::vector<at::BFloat16> queries16;
     for (int64_t w = next++; w < num_items; w = next++) {
       const WorkItem it = items[order[w]];
       for (int64_t kv_head = it.kv_head_begin; kv_head < it.kv_head_end; ++kv_head) {
@@ -421,6 +487,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           const q_t* src = q_ptr + token_head(r) * D;
           for (int64_t d = 0; d < D; ++d) queries[r * D + d] = load(src[d]) * static_cast<float>(scale);
         }
+        if (bf16_dots) {
+          queries16.resize(rows * D);
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(queries16.data() + r * D, q_ptr + token_head(r) * D, D * sizeof(q_t));
+        }
         const int32_t* table = tables + static_cast<int64_t>(it.seq) * shape.max_blocks;
         const bool int8 = k_scale_ptr != nullptr;
         if (int8) {
@@ -428,7 +499,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           value_scales.resize(padded);
         }
         Item<kv_t> item{shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(), table,
-                        kv_head, rows, num_keys, padded, queries.data(), scores.data(),
+                        kv_head, rows, num_keys, padded, queries.data(),
+                        bf16_dots ? reinterpret_cast<const at::BFloat16*>(queries16.data()) : nullptr,
+                        static_cast<float>(scale), scores.data(),
                         result.data(), k_scale_ptr, v_scale_ptr,
                         int8 ? key_scales.data() : nullptr, int8 ? value_scales.data() : nullptr};
         item.compute_scores();
