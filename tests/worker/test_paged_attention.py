@@ -96,7 +96,8 @@ BACKENDS = {
 }
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
+# 64: the kernel scores a block of 16 * m keys as m tiles of 16
+@pytest.mark.parametrize("block_size", [4, 16, 64])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("seed", range(4))
@@ -225,3 +226,26 @@ def test_kernel_takes_bfloat16_queries_as_their_float32_values():
     expected = out32.to(torch.bfloat16).float()
     torch.testing.assert_close(out16.float(), expected, rtol=2 ** -7, atol=1e-6)
     assert (out16.float() != expected).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("seed", range(2))
+def test_bfloat16_queries_on_a_bfloat16_cache_match_dense(block_size, seed):
+    """The bf16 model's own case: bfloat16 queries and cache (scored with bfloat16 dot
+    products where the CPU has them), blocks of one or several 16-key tiles."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    step, q, k_new, v_new, k_cache, v_cache, _, per_seq = make_step(seed, torch.bfloat16, block_size)
+    inputs = build_model_inputs(step, block_size, torch.device("cpu"), varlen_decode=True,
+                                varlen_prefill=True)
+    write_kv(k_cache, v_cache, k_new, v_new, inputs.attention)
+    q16 = q.to(torch.bfloat16)
+    out = paged_attention(q16, k_new, v_new, k_cache, v_cache, inputs.attention, 0.125)
+    offset = 0
+    for k_all, v_all, total, new in per_seq:
+        expected = dense_reference(
+            q16[offset : offset + new].float(), as_stored(k_all, torch.bfloat16),
+            as_stored(v_all, torch.bfloat16), total, 0.125,
+        )
+        torch.testing.assert_close(out[offset : offset + new].float(), expected, atol=2e-2, rtol=2e-2)
+        offset += new

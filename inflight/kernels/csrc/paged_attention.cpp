@@ -67,12 +67,12 @@ struct WorkItem {
 // few query rows (a decode token's heads) enough independent FMA chains to hide latency.
 template <int NR, int NB, typename kv_t>
 inline void score_blocks(const float* queries, int64_t D, const kv_t* const* kb, float* scores,
-                         int64_t row_stride) {
+                         int64_t row_stride, int64_t key_stride) {
   __m512 acc[NR * NB];
   for (int i = 0; i < NR * NB; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
     __m512 kd[NB];
-    for (int b = 0; b < NB; ++b) kd[b] = load16(kb[b] + d * 16);
+    for (int b = 0; b < NB; ++b) kd[b] = load16(kb[b] + d * key_stride);
     for (int j = 0; j < NR; ++j) {
       const __m512 qd = _mm512_set1_ps(queries[j * D + d]);
       for (int b = 0; b < NB; ++b) acc[j * NB + b] = _mm512_fmadd_ps(qd, kd[b], acc[j * NB + b]);
@@ -89,10 +89,18 @@ inline void score_blocks(const float* queries, int64_t D, const kv_t* const* kb,
 // query pair (q[d], q[d+1]). Per two dimensions: one load, one permute and NR dot products
 // per block, where converting to float32 takes two loads, four conversions and 2 NR FMAs.
 // The queries are unscaled (exactly the model's bfloat16 values); the scale comes after.
+// Key rows d and d+1 of a tile of 16 keys (32 bytes each, `key_stride` elements apart).
+inline __m512i load_rows(const at::BFloat16* row, int64_t key_stride) {
+  if (key_stride == 16) return _mm512_loadu_si512(row);
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + key_stride));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
 template <int NR, int NB>
 inline void score_blocks_bf16(const at::BFloat16* queries, int64_t D,
                               const at::BFloat16* const* kb, float* scores, int64_t row_stride,
-                              float scale) {
+                              int64_t key_stride, float scale) {
   static const __m512i interleave = [] {
     alignas(64) int16_t lanes[32];
     for (int i = 0; i < 16; ++i) {
@@ -106,7 +114,7 @@ inline void score_blocks_bf16(const at::BFloat16* queries, int64_t D,
   for (int64_t d = 0; d < D; d += 2) {
     __m512i kd[NB];
     for (int b = 0; b < NB; ++b)
-      kd[b] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(kb[b] + d * 16));
+      kd[b] = _mm512_permutexvar_epi16(interleave, load_rows(kb[b] + d * key_stride, key_stride));
     for (int j = 0; j < NR; ++j) {
       uint32_t pair;
       std::memcpy(&pair, queries + j * D + d, sizeof(pair));
@@ -195,8 +203,8 @@ struct Item {
   void compute_scores() {
     const int64_t D = shape.head_dim, bs = shape.block_size;
 #if defined(__AVX512F__)
-    if (bs == 16) {
-      // A decode token has only the group's few query rows: score several blocks per
+    if (bs % 16 == 0) {
+      // A decode token has only the group's few query rows: score several tiles per
       // pass so there are enough independent accumulators.
       switch (rows) {
         case 1: score_few_rows<1, 8>(); return;
@@ -243,7 +251,26 @@ struct Item {
     }
   }
 
-  // Scores of NR rows (from `row`) against NB blocks: bfloat16 dot products where the
+  // Keys are scored in tiles of 16 (a block of 16 * m keys holds m tiles side by side in
+  // each of its [D][block_size] rows): tile j is columns 16 (j % m) of block j / m.
+  int64_t num_key_tiles() const { return (num_keys + 15) / 16; }
+  const kv_t* key_tile(int64_t j) const {
+    const int64_t m = shape.block_size / 16;
+    return key_block(j / m) + (j % m) * 16;
+  }
+  // Block-level work for tiles [first, first + count): a block's scales are gathered, and
+  // the block kPrefetchBlocks on fetched, as its first tile comes up.
+  void enter_tiles(int64_t first, int64_t count) {
+    const int64_t m = shape.block_size / 16;
+    const int64_t ahead = std::max<int64_t>(1, kPrefetchBlocks * 16 / shape.block_size);
+    for (int64_t j = first; j < first + count; ++j) {
+      if (j % m != 0) continue;
+      take_scales(j / m);
+      prefetch_key_blocks(j / m + ahead, 1);
+    }
+  }
+
+  // Scores of NR rows (from `row`) against NB tiles: bfloat16 dot products where the
   // queries came as bfloat16 (see attend), else float32 FMAs on the scaled queries.
   template <int NR, int NB>
   void score(int64_t row, const kv_t* const* kb, float* out) {
@@ -251,46 +278,43 @@ struct Item {
     if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
       if (queries_bf16 != nullptr) {
         score_blocks_bf16<NR, NB>(queries_bf16 + row * shape.head_dim, shape.head_dim, kb, out,
-                                  padded_keys, scale);
+                                  padded_keys, shape.block_size, scale);
         return;
       }
     }
 #endif
-    score_blocks<NR, NB>(queries + row * shape.head_dim, shape.head_dim, kb, out, padded_keys);
+    score_blocks<NR, NB>(queries + row * shape.head_dim, shape.head_dim, kb, out, padded_keys,
+                         shape.block_size);
   }
 
   template <int NR, int NB>
-  void score_few_rows() {  // rows == NR, NB blocks per pass
-    const int64_t D = shape.head_dim, blocks = num_key_blocks();
-    // The first blocks too: the loop below only fetches ahead of itself.
-    prefetch_key_blocks(0, std::max<int64_t>(NB, kPrefetchBlocks));
-    int64_t b = 0;
-    for (; b + NB <= blocks; b += NB) {
-      prefetch_key_blocks(b + std::max<int64_t>(NB, kPrefetchBlocks), NB);
+  void score_few_rows() {  // rows == NR, NB tiles per pass
+    const int64_t tiles = num_key_tiles();
+    // The first blocks: enter_tiles fetches only ahead of itself.
+    prefetch_key_blocks(0, std::max<int64_t>(1, kPrefetchBlocks * 16 / shape.block_size));
+    int64_t j = 0;
+    for (; j + NB <= tiles; j += NB) {
+      enter_tiles(j, NB);
       const kv_t* kb[NB];
-      for (int j = 0; j < NB; ++j) {
-        kb[j] = key_block(b + j);
-        take_scales(b + j);
-      }
-      score<NR, NB>(0, kb, scores + b * 16);
+      for (int t = 0; t < NB; ++t) kb[t] = key_tile(j + t);
+      score<NR, NB>(0, kb, scores + j * 16);
     }
-    for (; b < blocks; ++b) {
-      take_scales(b);
-      const kv_t* kb[1] = {key_block(b)};
-      score<NR, 1>(0, kb, scores + b * 16);
+    for (; j < tiles; ++j) {
+      enter_tiles(j, 1);
+      const kv_t* kb[1] = {key_tile(j)};
+      score<NR, 1>(0, kb, scores + j * 16);
     }
   }
 
-  void score_many_rows() {  // a prompt chunk's tile: each block is scored for 8 rows at a time
-    const int64_t D = shape.head_dim;
-    for (int64_t b = 0; b < num_key_blocks(); ++b) {
-      prefetch_key_blocks(b + kPrefetchBlocks, 1);
-      take_scales(b);
-      const kv_t* kb[1] = {key_block(b)};
+  void score_many_rows() {  // a prompt chunk's tile: each key tile is scored for 8 rows at a time
+    prefetch_key_blocks(0, std::max<int64_t>(1, kPrefetchBlocks * 16 / shape.block_size));
+    for (int64_t j = 0; j < num_key_tiles(); ++j) {
+      enter_tiles(j, 1);
+      const kv_t* kb[1] = {key_tile(j)};
       int64_t r = 0;
       for (; r + 8 <= rows; r += 8)
-        score<8, 1>(r, kb, scores + r * padded_keys + b * 16);
-      float* out_scores = scores + r * padded_keys + b * 16;
+        score<8, 1>(r, kb, scores + r * padded_keys + j * 16);
+      float* out_scores = scores + r * padded_keys + j * 16;
       switch (rows - r) {
         case 1: score<1, 1>(r, kb, out_scores); break;
         case 2: score<2, 1>(r, kb, out_scores); break;
@@ -303,6 +327,7 @@ struct Item {
       }
     }
   }
+
 #endif
 
   // Softmax of row r over its visible keys [0, visible); the rest become 0. With an int8
@@ -463,7 +488,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   bool bf16_dots = false;
 #if defined(__AVX512BF16__)
   bf16_dots = std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16> &&
-              shape.block_size == 16 && D % 2 == 0;
+              shape.block_size % 16 == 0 && D % 2 == 0;
 #endif
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> queries, scores, result, key_scales, value_scales;
