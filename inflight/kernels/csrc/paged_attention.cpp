@@ -130,6 +130,14 @@ inline void score_blocks_bf16(const at::BFloat16* queries, int64_t D,
 }
 #endif
 
+// Lane k of permutex2var(even, index, odd): element first + k / 2 of even (k even) or of
+// odd (k odd), which puts split even/odd dimensions back in order.
+inline __m512i interleave_index(int first) {
+  alignas(64) int32_t lanes[16];
+  for (int k = 0; k < 16; ++k) lanes[k] = (k % 2 ? 16 : 0) + first + k / 2;
+  return _mm512_load_si512(lanes);
+}
+
 // out[NR][16 * CH] = probs[NR][:num_keys] @ V. Walks V block by block: block_rows(b) is
 // the first value row of block b, the next rows follow at row_stride elements.
 template <int NR, int CH, typename kv_t, typename BlockFn>
@@ -138,17 +146,42 @@ inline void weigh_values(const float* probs, int64_t prob_stride, int64_t num_ke
                          int64_t D) {
   __m512 acc[NR * CH];
   for (int i = 0; i < NR * CH; ++i) acc[i] = _mm512_setzero_ps();
+  // bfloat16 values: one 64-byte load holds 32 of them, and its even and odd elements
+  // become float32 with one shift or one mask each (instead of a widening and a shift
+  // per 16). Accumulator pair (2c, 2c + 1) then holds dimensions 32c + (0, 2, ...) and
+  // 32c + (1, 3, ...): the same float32 FMAs in the same order, only the lanes permuted,
+  // and put back in order once at the end.
+  constexpr bool split = std::is_same_v<kv_t, at::BFloat16> && CH % 2 == 0;
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t first = 0; first < num_keys; first += block_size) {
     const kv_t* v = block_rows(first / block_size);
     const int64_t n = std::min(block_size, num_keys - first);
     for (int64_t t = 0; t < n; ++t, v += row_stride) {
       __m512 vc[CH];
-      for (int c = 0; c < CH; ++c) vc[c] = load16(v + c * 16);
+      if constexpr (split) {
+        for (int c = 0; c < CH / 2; ++c) {
+          const __m512i raw = _mm512_loadu_si512(v + c * 32);
+          vc[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+          vc[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
+        }
+      } else {
+        for (int c = 0; c < CH; ++c) vc[c] = load16(v + c * 16);
+      }
       for (int j = 0; j < NR; ++j) {
         const __m512 p = _mm512_set1_ps(probs[j * prob_stride + first + t]);
         for (int c = 0; c < CH; ++c) acc[j * CH + c] = _mm512_fmadd_ps(p, vc[c], acc[j * CH + c]);
       }
     }
+  }
+  if constexpr (split) {
+    static const __m512i first_half = interleave_index(0), second_half = interleave_index(8);
+    for (int j = 0; j < NR; ++j)
+      for (int c = 0; c < CH / 2; ++c) {
+        const __m512 even = acc[j * CH + 2 * c], odd = acc[j * CH + 2 * c + 1];
+        _mm512_storeu_ps(out + j * D + c * 32, _mm512_permutex2var_ps(even, first_half, odd));
+        _mm512_storeu_ps(out + j * D + c * 32 + 16, _mm512_permutex2var_ps(even, second_half, odd));
+      }
+    return;
   }
   for (int j = 0; j < NR; ++j)
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + j * D + c * 16, acc[j * CH + c]);
