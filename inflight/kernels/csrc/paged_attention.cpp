@@ -42,9 +42,12 @@ using namespace inflight_vec;
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kPrefetchBlocks = 4;
 
+// Into L2, not L1 (locality 1: prefetcht2). A few blocks ahead is 16-32 KiB, as much as
+// L1 holds: fetched into L1 it evicts the block being worked on. On an AMD EPYC (Zen 4),
+// 57 sequences x 450 tokens x 30 layers from DRAM: 1.0-1.1 against 1.3-1.6 ms per layer.
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
