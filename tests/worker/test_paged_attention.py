@@ -249,3 +249,42 @@ def test_bfloat16_queries_on_a_bfloat16_cache_match_dense(block_size, seed):
         )
         torch.testing.assert_close(out[offset : offset + new].float(), expected, atol=2e-2, rtol=2e-2)
         offset += new
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (2, 2, 128), (12, 3, 64), (3, 3, 64)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_tokens_match_dense_tightly(heads, kv_heads, head_dim, block_size, kv_dtype):
+    """Decode tokens, group sizes 1-4, head_dim 64 and 128, contexts from one key to
+    several blocks with a partial last one, against the dense reference on the cache's own
+    (rounded) values at float32's tolerance: a bfloat16 cache's values are widened exactly
+    (as even/odd halves of one load), so a lane put back in the wrong place shows."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    torch.manual_seed(block_size + head_dim + heads)
+    context = [1, 15, 48, 49, 97, 300]
+    per_seq = [-(-n // block_size) for n in context]
+    num_blocks = sum(per_seq) + 3
+    k_cache = torch.randn(num_blocks, kv_heads, head_dim, block_size).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(kv_dtype)
+    order = torch.randperm(num_blocks)
+    tables = torch.zeros(len(context), max(per_seq), dtype=torch.int32)
+    used = 0
+    for s, count in enumerate(per_seq):
+        tables[s, :count] = order[used : used + count].int()
+        used += count
+    q = torch.randn(len(context), heads, head_dim) * 2
+    out = cpu_kernels.paged_attention(
+        q, k_cache, v_cache, tables, torch.arange(len(context) + 1, dtype=torch.int32),
+        torch.tensor(context, dtype=torch.int32), head_dim**-0.5,
+    )
+    group = heads // kv_heads
+    for s, n in enumerate(context):
+        blocks = tables[s, : per_seq[s]].long()
+        keys = k_cache[blocks].float().permute(0, 3, 1, 2).reshape(-1, kv_heads, head_dim)[:n]
+        values = v_cache[blocks].float().reshape(-1, kv_heads, head_dim)[:n]
+        expected = F.scaled_dot_product_attention(
+            q[s][:, None], keys.transpose(0, 1).repeat_interleave(group, 0),
+            values.transpose(0, 1).repeat_interleave(group, 0), scale=head_dim**-0.5,
+        )[:, 0]
+        torch.testing.assert_close(out[s], expected, atol=2e-5, rtol=2e-5)
