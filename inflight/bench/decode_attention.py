@@ -1,0 +1,145 @@
+"""Decode attention from DRAM: the paged attention kernel alone, at a step's shapes.
+
+    python -m inflight.bench.decode_attention [--seqs 57] [--context 450] [--layers 30]
+        [--kv-cache-dtype bfloat16] [--block-size 16] [--order random]
+
+One decode token per sequence attends to ``context`` cached tokens, layer after layer,
+each layer with its own cache region allocated as the engine allocates it (one memory
+map with transparent huge pages, ``worker/kv_cache.py``), so that every layer's K/V comes
+from DRAM as in a real step; a single repeated layer would sit in L3 and overstate the
+kernel. Defaults are SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim
+64) at ``mixed``'s mean batch and context on 2 cores. Prints ms per layer, the K/V bytes
+read per second and that rate's fraction of the machine's measured memory read peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from inflight.bench.machine_peaks import memory_read_gbps
+from inflight.kernels import cpu
+from inflight.model.arch import LlamaArchConfig
+from inflight.worker.kv_cache import allocate_kv_cache, bytes_per_block
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+@dataclass(frozen=True)
+class DecodeAttentionShape:
+    seqs: int
+    context: int  # cached tokens each decode token attends to
+    layers: int = 30
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+    kv_cache_dtype: str = "bfloat16"
+
+    def arch(self) -> LlamaArchConfig:
+        """The attention part of a model config (the rest does not matter here)."""
+        return LlamaArchConfig(
+            vocab_size=1, hidden_size=self.heads * self.head_dim, intermediate_size=1,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads, head_dim=self.head_dim, rms_norm_eps=1e-5,
+            rope_theta=1e4, max_position_embeddings=self.context + 1,
+            tie_word_embeddings=True,
+        )
+
+    def kv_bytes_per_layer(self) -> int:
+        """Compulsory bytes one layer's call reads: every context token's key and value for
+        each KV head, plus, for int8, their float32 scales (the engine's own accounting,
+        ``bytes_per_block``, per token and layer)."""
+        per_token = bytes_per_block(self.arch(), 1, _DTYPES[self.kv_cache_dtype]) // self.layers
+        return self.seqs * self.context * per_token
+
+
+@dataclass(frozen=True)
+class DecodeAttentionTiming:
+    shape: DecodeAttentionShape
+    ms_per_layer: float
+
+    @property
+    def gbps(self) -> float:
+        return self.shape.kv_bytes_per_layer() / (self.ms_per_layer * 1e-3) / 1e9
+
+
+def measure(shape: DecodeAttentionShape, order: str = "random", repeats: int = 10,
+            seed: int = 0) -> DecodeAttentionTiming:
+    """Mean wall time of one layer's paged attention call over ``repeats`` passes through
+    all layers (after two warm-up passes). ``order``: ``random`` scatters each sequence's
+    blocks over the cache (a long-running server), ``sequential`` gives them in order."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = _DTYPES[shape.kv_cache_dtype]
+    per_seq = -(-shape.context // shape.block_size)
+    num_blocks = shape.seqs * per_seq + 64
+    # The engine's allocation: one memory map for all layers, transparent huge pages.
+    caches = allocate_kv_cache(shape.arch(), num_blocks, shape.block_size, dtype,
+                               torch.device("cpu"))
+    for layer in caches:
+        for part in layer:
+            if part is None:
+                continue
+            if part.dtype == torch.int8:
+                part.copy_(torch.randint(-127, 128, part.shape, generator=generator,
+                                         dtype=torch.int8))
+            elif part is layer.k_scale or part is layer.v_scale:
+                part.copy_(torch.rand(part.shape, generator=generator) * 0.02)
+            else:
+                part.copy_(torch.randn(part.shape, generator=generator))
+    if order == "random":
+        blocks = torch.randperm(num_blocks, generator=generator)[: shape.seqs * per_seq]
+    else:
+        blocks = torch.arange(shape.seqs * per_seq)
+    tables = blocks.int().view(shape.seqs, per_seq)
+    q_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    q = torch.randn(shape.seqs, shape.heads, shape.head_dim, generator=generator).to(q_dtype)
+    query_start = torch.arange(shape.seqs + 1, dtype=torch.int32)
+    seq_lens = torch.full((shape.seqs,), shape.context, dtype=torch.int32)
+    scale = shape.head_dim**-0.5
+
+    def one_pass() -> None:
+        for k, v, k_scale, v_scale in caches:
+            cpu.paged_attention(q, k, v, tables, query_start, seq_lens, scale, k_scale, v_scale)
+
+    for _ in range(2):
+        one_pass()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        one_pass()
+    elapsed = time.perf_counter() - start
+    return DecodeAttentionTiming(shape, elapsed / (repeats * shape.layers) * 1e3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=57)
+    parser.add_argument("--context", type=int, default=450)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", choices=sorted(_DTYPES), default="bfloat16")
+    parser.add_argument("--order", choices=["random", "sequential"], default="random")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    if not cpu.available():
+        parser.error("the C++ kernels are not available on this machine")
+    shape = DecodeAttentionShape(
+        args.seqs, args.context, args.layers, block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    timing = measure(shape, args.order, args.repeats)
+    peak = memory_read_gbps()
+    print(
+        f"{shape.seqs} sequences x {shape.context} tokens, {shape.layers} layers, "
+        f"{shape.kv_cache_dtype} cache, blocks of {shape.block_size} ({args.order}): "
+        f"{timing.ms_per_layer:.3f} ms per layer, {timing.gbps:.1f} GB/s of K/V, "
+        f"{timing.gbps / peak:.2f} of the memory read peak ({peak:.1f} GB/s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
