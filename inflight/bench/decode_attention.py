@@ -23,9 +23,10 @@ import torch
 from inflight.bench.machine_peaks import memory_read_gbps
 from inflight.kernels import cpu
 from inflight.model.arch import LlamaArchConfig
+from inflight.worker.device import pick_kv_cache_dtype
 from inflight.worker.kv_cache import allocate_kv_cache, bytes_per_block
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+KV_CACHE_DTYPES = ("bfloat16", "float32", "int8")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class DecodeAttentionShape:
     head_dim: int = 64
     block_size: int = 16
     kv_cache_dtype: str = "bfloat16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return pick_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
 
     def arch(self) -> LlamaArchConfig:
         """The attention part of a model config (the rest does not matter here)."""
@@ -53,7 +58,7 @@ class DecodeAttentionShape:
         """Compulsory bytes one layer's call reads: every context token's key and value for
         each KV head, plus, for int8, their float32 scales (the engine's own accounting,
         ``bytes_per_block``, per token and layer)."""
-        per_token = bytes_per_block(self.arch(), 1, _DTYPES[self.kv_cache_dtype]) // self.layers
+        per_token = bytes_per_block(self.arch(), 1, self.dtype) // self.layers
         return self.seqs * self.context * per_token
 
 
@@ -73,23 +78,22 @@ def measure(shape: DecodeAttentionShape, order: str = "random", repeats: int = 1
     all layers (after two warm-up passes). ``order``: ``random`` scatters each sequence's
     blocks over the cache (a long-running server), ``sequential`` gives them in order."""
     generator = torch.Generator().manual_seed(seed)
-    dtype = _DTYPES[shape.kv_cache_dtype]
+    dtype = shape.dtype
     per_seq = -(-shape.context // shape.block_size)
     num_blocks = shape.seqs * per_seq + 64
     # The engine's allocation: one memory map for all layers, transparent huge pages.
     caches = allocate_kv_cache(shape.arch(), num_blocks, shape.block_size, dtype,
                                torch.device("cpu"))
     for layer in caches:
-        for part in layer:
-            if part is None:
-                continue
-            if part.dtype == torch.int8:
+        for part in (layer.k, layer.v):
+            if dtype == torch.int8:
                 part.copy_(torch.randint(-127, 128, part.shape, generator=generator,
                                          dtype=torch.int8))
-            elif part is layer.k_scale or part is layer.v_scale:
-                part.copy_(torch.rand(part.shape, generator=generator) * 0.02)
             else:
                 part.copy_(torch.randn(part.shape, generator=generator))
+        for part in (layer.k_scale, layer.v_scale):
+            if part is not None:  # int8 only
+                part.copy_(torch.rand(part.shape, generator=generator) * 0.02)
     if order == "random":
         blocks = torch.randperm(num_blocks, generator=generator)[: shape.seqs * per_seq]
     else:
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=450)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-dtype", choices=sorted(_DTYPES), default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bfloat16")
     parser.add_argument("--order", choices=["random", "sequential"], default="random")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
