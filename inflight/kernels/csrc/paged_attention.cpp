@@ -375,9 +375,17 @@ struct Item {
       for (int64_t t = 0; t < visible; ++t) row[t] *= key_scales[t];
     for (int64_t t = visible; t < padded_keys; ++t) row[t] = kNegInf;
     float max_score = kNegInf;
-    for (int64_t t = 0; t < visible; ++t) max_score = std::max(max_score, row[t]);
-    float total = 0.f;
     int64_t t = 0;
+#if defined(__AVX512F__)
+    // 16 running maxima: the same value as a scalar scan (max is exact in any order),
+    // which is one dependent vmaxss per key, 15% of the kernel's decode time in perf.
+    __m512 running = _mm512_set1_ps(kNegInf);
+    for (; t + 16 <= visible; t += 16) running = _mm512_max_ps(running, _mm512_loadu_ps(row + t));
+    max_score = _mm512_reduce_max_ps(running);
+#endif
+    for (; t < visible; ++t) max_score = std::max(max_score, row[t]);
+    float total = 0.f;
+    t = 0;
 #if defined(__AVX512F__)
     const __m512 m = _mm512_set1_ps(max_score);
     __m512 sum = _mm512_setzero_ps();
