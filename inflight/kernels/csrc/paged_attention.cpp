@@ -63,41 +63,6 @@ struct WorkItem {
   int32_t kv_head_end;
 };
 
-// The cache lines of a thread's next work item, fetched into L2 a few at a time while the
-// current item computes: a decode item alone keeps too few misses in flight to fill the
-// memory bus (its own blocks are fetched only kPrefetchBlocks ahead), and its blocks sit
-// anywhere, so the hardware prefetcher cannot run ahead across them.
-struct Lookahead {
-  std::vector<std::pair<const char*, int64_t>> ranges;  // (first byte, bytes)
-  size_t range = 0;
-  int64_t offset = 0;
-  int64_t total_lines = 0;
-  int64_t per_call = 0;
-
-  void clear() {
-    ranges.clear();
-    range = 0;
-    offset = 0;
-    total_lines = 0;
-  }
-  void add(const void* p, int64_t bytes) {
-    ranges.emplace_back(static_cast<const char*>(p), bytes);
-    total_lines += (bytes + 63) / 64;
-  }
-  // Spread the lines over `calls` calls of issue().
-  void pace(int64_t calls) { per_call = (total_lines + calls - 1) / std::max<int64_t>(1, calls); }
-  void issue() {
-    for (int64_t n = 0; n < per_call && range < ranges.size(); ++n) {
-      __builtin_prefetch(ranges[range].first + offset, 0, 1);
-      offset += 64;
-      if (offset >= ranges[range].second) {
-        ++range;
-        offset = 0;
-      }
-    }
-  }
-};
-
 // ---------------------------------------------------------------- vector helpers (AVX-512)
 #if defined(__AVX512F__)
 // Scores of NR query rows against the 16 keys of each of NB blocks (keys stored [D][16]).
@@ -249,7 +214,6 @@ struct Item {
   const float* v_scale_cache;
   float* key_scales;
   float* value_scales;
-  Lookahead* lookahead = nullptr;  // the thread's next item, fetched block by block
 
   int64_t scale_offset(int64_t b) const {
     return (static_cast<int64_t>(table[b]) * shape.num_kv_heads + kv_head) * shape.block_size;
@@ -337,7 +301,6 @@ struct Item {
     const int64_t ahead = std::max<int64_t>(1, kPrefetchBlocks * 16 / shape.block_size);
     for (int64_t j = first; j < first + count; ++j) {
       if (j % m != 0) continue;
-      if (lookahead != nullptr) lookahead->issue();
       take_scales(j / m);
       prefetch_key_blocks(j / m + ahead, 1);
     }
@@ -457,7 +420,6 @@ struct Item {
           const int64_t bytes = shape.head_dim * static_cast<int64_t>(sizeof(kv_t));
           for (int64_t i = 0; i < bs; ++i) prefetch(ahead + i * row_stride, bytes);
         }
-        if (lookahead != nullptr) lookahead->issue();
         return value_block(b);
       };
       // Rows per pass keep NR * CH accumulators (plus CH value vectors) in registers.
@@ -572,51 +534,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   bf16_dots = std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16> &&
               shape.block_size % 16 == 0 && D % 2 == 0;
 #endif
-  const int64_t bs = shape.block_size, KVH = shape.num_kv_heads;
-  const int64_t head_block_bytes = D * bs * static_cast<int64_t>(sizeof(kv_t));
-  const int64_t v_row_stride = KVH * D;
-  auto key_blocks = [&](const WorkItem& it) {  // blocks the item's last query sees
-    const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
-    return (lens[it.seq] - q_len + it.q_end + bs - 1) / bs;
-  };
-  // The K/V lines of `it`, in the order it reads them: a decode item's whole blocks (its
-  // heads sit side by side), else one head's K piece and V rows.
-  auto describe = [&](const WorkItem& it, Lookahead& ahead) {
-    ahead.clear();
-    const int32_t* table = tables + static_cast<int64_t>(it.seq) * shape.max_blocks;
-    const kv_t* kc = k_cache.data_ptr<kv_t>();
-    const kv_t* vc = v_cache.data_ptr<kv_t>();
-    const bool all_heads = it.kv_head_begin == 0 && it.kv_head_end == KVH;
-    for (int64_t b = 0, n = key_blocks(it); b < n; ++b) {
-      const int64_t block = table[b];
-      if (all_heads) {
-        ahead.add(kc + block * KVH * D * bs, KVH * head_block_bytes);
-        ahead.add(vc + block * bs * v_row_stride, KVH * head_block_bytes);
-        continue;
-      }
-      for (int64_t h = it.kv_head_begin; h < it.kv_head_end; ++h) {
-        ahead.add(kc + (block * KVH + h) * D * bs, head_block_bytes);
-        for (int64_t i = 0; i < bs; ++i)
-          ahead.add(vc + (block * bs + i) * v_row_stride + h * D, D * static_cast<int64_t>(sizeof(kv_t)));
-      }
-    }
-  };
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> queries, scores, result, key_scales, value_scales;
     std::vector<at::BFloat16> queries16;
-    Lookahead ahead;
-    for (int64_t w = next++, w_next; w < num_items; w = w_next) {
+    for (int64_t w = next++; w < num_items; w = next++) {
       const WorkItem it = items[order[w]];
-      // Claim the next item now, so its K/V can be on the way while this one computes.
-      w_next = next++;
-      // Not for int8 caches: they are bound by widening int8 to float32, not by memory
-      // (on Zen 5 the lookahead made them slower: 1.03 against 0.92 ms per layer).
-      Lookahead* lookahead = nullptr;
-      if (w_next < num_items && k_scale_ptr == nullptr) {
-        describe(items[order[w_next]], ahead);
-        ahead.pace((it.kv_head_end - it.kv_head_begin) * key_blocks(it) * 2);
-        lookahead = &ahead;
-      }
       for (int64_t kv_head = it.kv_head_begin; kv_head < it.kv_head_end; ++kv_head) {
         const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
         const int64_t first_pos = lens[it.seq] - q_len;  // position of query 0
@@ -650,8 +572,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                         bf16_dots ? reinterpret_cast<const at::BFloat16*>(queries16.data()) : nullptr,
                         static_cast<float>(scale), scores.data(),
                         result.data(), k_scale_ptr, v_scale_ptr,
-                        int8 ? key_scales.data() : nullptr, int8 ? value_scales.data() : nullptr,
-                        lookahead};
+                        int8 ? key_scales.data() : nullptr, int8 ? value_scales.data() : nullptr};
         item.compute_scores();
         for (int64_t r = 0; r < rows; ++r) item.softmax_row(r, first_pos + it.q_begin + r / G + 1);
         item.accumulate_values();
