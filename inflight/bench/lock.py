@@ -62,7 +62,11 @@ def bench_lock(path: str | None, on_wait: Callable[[str], None] = _say) -> Itera
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            on_wait(f"waiting for the benchmark lock {path} (another timed run holds it) ...")
+            on_wait(
+                f"waiting for the benchmark lock {path} (another timed run holds it; a run "
+                f"started under `flock {path}` waits for its own parent: drop the flock or "
+                "pass --no-bench-lock) ..."
+            )
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
