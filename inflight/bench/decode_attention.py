@@ -21,12 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from inflight.bench.machine_peaks import memory_read_gbps
+from inflight.config import KV_CACHE_DTYPES
 from inflight.kernels import cpu
 from inflight.model.arch import LlamaArchConfig
 from inflight.worker.device import pick_kv_cache_dtype
 from inflight.worker.kv_cache import allocate_kv_cache, bytes_per_block
 
-KV_CACHE_DTYPES = ("bfloat16", "float32", "int8")
+# The engine's cache dtypes by name, less "auto" (there is no model dtype here to follow).
+CACHE_DTYPE_CHOICES = [name for name in KV_CACHE_DTYPES if name != "auto"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=450)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", choices=CACHE_DTYPE_CHOICES, default="bfloat16")
     parser.add_argument("--order", choices=["random", "sequential"], default="random")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
