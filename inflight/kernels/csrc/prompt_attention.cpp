@@ -10,15 +10,15 @@
 //
 // Two paths:
 //  - bfloat16 q/k/v on a CPU with AVX512-BF16 (and D a multiple of 32): this file's own
-//    kernel, whose two products are bfloat16 dot products (`vdpbf16ps`: two multiply-adds
-//    per float32 lane, accumulated in float32). Each prompt's keys and values are first
-//    repacked into pairs along the dot product's axis (keys: [block of 16][D/2][16][2];
-//    values: [key pair][D][2]), then (prompt, KV head, 16-query tile) items compute exact
-//    float32 scores, a float32 softmax over each row's visible keys, and P @ V with P
-//    split into two bfloat16 parts (hi + lo: P to ~16 bits, where PyTorch's flash kernel
-//    rounds it to bfloat16's 8). On the AMD EPYC
-//    (Zen 5) this project measured, PyTorch's flash SDPA ran these shapes at 50-120
-//    GFLOP/s while the bfloat16 dot product's peak is ~1000.
+//    kernel. Each prompt's keys are first repacked into pairs along the dot product's axis
+//    ([block of 16][D/2][16][2]) and its values widened to float32 ([L][D]); then
+//    (prompt, KV head, 16-query tile) items compute exact float32 scores with bfloat16 dot
+//    products (`vdpbf16ps`: two multiply-adds per float32 lane, accumulated in float32),
+//    the softmax's numerators exp(s - max) in float32, and P @ V in float32 multiply-adds
+//    on those numerators, each output row divided by its sum at the end. No probability
+//    is rounded (PyTorch's flash kernel rounds them to bfloat16). On the AMD EPYC (Zen 5)
+//    this project measured, PyTorch's flash SDPA ran these shapes at 50-120 GFLOP/s while
+//    the bfloat16 dot product's peak is ~1000.
 //  - otherwise one call of PyTorch's scaled_dot_product_attention per prompt (its CPU
 //    flash kernel) on strided views, so nothing is padded or copied.
 
@@ -80,7 +80,7 @@ struct Packed {
   int64_t first;   // the prompt's first token in q/k/v/out
   int64_t length;  // its tokens
   uint32_t* keys;    // [ceil(L / 16)][D / 2][16] pairs
-  uint32_t* values;  // [ceil(L / 2)][D] pairs (two keys' values of one dimension)
+  float* values;     // [L][D] float32 (bfloat16 widened exactly)
 };
 
 void pack(const PromptShape& sh, const at::BFloat16* k, const at::BFloat16* v, int64_t kv_head,
@@ -98,16 +98,10 @@ void pack(const PromptShape& sh, const at::BFloat16* k, const at::BFloat16* v, i
       for (int64_t dp = 0; dp < pairs; ++dp) dst[dp * 16 + i] = pair_at(row + 2 * dp);
     }
   }
-  const int64_t key_pairs = (p.length + 1) / 2;
-  for (int64_t tp = 0; tp < key_pairs; ++tp) {
-    const at::BFloat16* r0 = v + (p.first + 2 * tp) * sh.v_token_stride + kv_head * sh.v_head_stride;
-    const bool has_second = 2 * tp + 1 < p.length;
-    const at::BFloat16* r1 = r0 + sh.v_token_stride;
-    uint16_t* dst = reinterpret_cast<uint16_t*>(p.values + tp * D);
-    for (int64_t d = 0; d < D; ++d) {
-      dst[2 * d] = r0[d].x;
-      dst[2 * d + 1] = has_second ? r1[d].x : 0;
-    }
+  for (int64_t t = 0; t < p.length; ++t) {
+    const at::BFloat16* row = v + (p.first + t) * sh.v_token_stride + kv_head * sh.v_head_stride;
+    float* dst = p.values + t * D;
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(row + d));
   }
 }
 
@@ -142,33 +136,31 @@ void score_rows(const uint32_t* const* qrows, const uint32_t* keys, int64_t bloc
     score_tile<NR, 1>(qrows, keys + b * pairs * 16, pairs, scale, scores + b * 16, stride);
 }
 
-// out rows (float32 [NR][16 * CH]) = P[NR][: 2 * key_pairs] @ V, P given as two bfloat16
-// parts (hi + lo, pairs): P's float32 value to ~16 bits, where hi alone would round each
-// probability to 8 bits (measured: twice PyTorch's bfloat16 SDPA's error on top of the
-// output's own rounding, and fewer greedy tokens agreeing with float32).
+// out rows (float32 [NR][16 * CH]) = P[NR][: keys] @ V in float32 multiply-adds, P as the
+// softmax's float32 numerators (exact: no rounding of the probabilities; an earlier version
+// rounded P to two bfloat16 parts for vdpbf16ps, as many instructions per key and an extra
+// pass over the scores).
 template <int NR, int CH>
-void weigh_rows(const uint32_t* hi, const uint32_t* lo, int64_t prob_stride,
-                const uint32_t* values, int64_t key_pairs, int64_t D, float* out) {
+void weigh_rows(const float* probs, int64_t prob_stride, const float* values, int64_t keys,
+                int64_t D, float* out) {
   __m512 acc[NR * CH];
   for (int i = 0; i < NR * CH; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t tp = 0; tp < key_pairs; ++tp) {
-    __m512i vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_si512(values + tp * D + c * 16);
+  for (int64_t t = 0; t < keys; ++t) {
+    __m512 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_ps(values + t * D + c * 16);
     for (int r = 0; r < NR; ++r) {
-      const __m512i ph = _mm512_set1_epi32(static_cast<int>(hi[r * prob_stride + tp]));
-      const __m512i pl = _mm512_set1_epi32(static_cast<int>(lo[r * prob_stride + tp]));
-      for (int c = 0; c < CH; ++c)
-        acc[r * CH + c] = dot_pairs(dot_pairs(acc[r * CH + c], ph, vv[c]), pl, vv[c]);
+      const __m512 p = _mm512_set1_ps(probs[r * prob_stride + t]);
+      for (int c = 0; c < CH; ++c) acc[r * CH + c] = _mm512_fmadd_ps(p, vv[c], acc[r * CH + c]);
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + r * D + c * 16, acc[r * CH + c]);
 }
 
-// Softmax of one row of scores over its first `visible` keys, written as bfloat16 hi and
-// lo parts (zero past `visible`, up to 2 * pair_count entries each).
-void softmax_to_bf16(float* row, int64_t visible, int64_t pair_count, at::BFloat16* hi,
-                     at::BFloat16* lo) {
+// One row of scores over its first `visible` keys -> exp(score - max) in place, zero from
+// `visible` to `stride`; returns 1 / their sum (applied to the output row, D values, instead
+// of to every probability).
+float softmax_numerators(float* row, int64_t visible, int64_t stride) {
   const int64_t padded = (visible + 15) / 16 * 16;
   for (int64_t t = visible; t < padded; ++t) row[t] = -std::numeric_limits<float>::infinity();
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -180,13 +172,8 @@ void softmax_to_bf16(float* row, int64_t visible, int64_t pair_count, at::BFloat
     _mm512_storeu_ps(row + t, e);
     sum = _mm512_add_ps(sum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t t = 0; t < padded; t += 16) {
-    const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(row + t), inv);
-    store16(hi + t, p);
-    store16(lo + t, _mm512_sub_ps(p, load16(hi + t)));
-  }
-  for (int64_t t = padded; t < 2 * pair_count; ++t) hi[t] = lo[t] = at::BFloat16(0.f);
+  for (int64_t t = padded; t < stride; ++t) row[t] = 0.f;
+  return 1.f / _mm512_reduce_add_ps(sum);
 }
 
 struct TileItem {
@@ -206,9 +193,10 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   int64_t key_words = 0, value_words = 0;
   for (int64_t s = 0; s < num_prompts; ++s) {
     key_words += (cp[s] + 15) / 16 * 16 * pairs * KVH;
-    value_words += (cp[s] + 1) / 2 * D * KVH;
+    value_words += cp[s] * D * KVH;
   }
-  std::vector<uint32_t> key_buf(key_words), value_buf(value_words);
+  std::vector<uint32_t> key_buf(key_words);
+  std::vector<float> value_buf(value_words);
   std::vector<TileItem> items;
   std::vector<int64_t> costs;
   {
@@ -217,7 +205,7 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t h = 0; h < KVH; ++h) {
         packed[s * KVH + h] = {fp[s], cp[s], key_buf.data() + ko, value_buf.data() + vo};
         ko += (cp[s] + 15) / 16 * 16 * pairs;
-        vo += (cp[s] + 1) / 2 * D;
+        vo += cp[s] * D;
         for (int64_t b = 0; b < cp[s]; b += kTile) {
           const int64_t e = std::min(cp[s], b + kTile);
           items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
@@ -246,21 +234,17 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, result;
-    std::vector<at::BFloat16> probs, probs_lo;
+    std::vector<float> scores, result, inv_sums;
     std::vector<const uint32_t*> qrows;
     for (int64_t w = next++; w < num_items; w = next++) {
       const TileItem it = items[order[w]];
       const Packed& p = packed[it.prompt * KVH + it.kv_head];
       const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
       const int64_t blocks = (it.q_end + 15) / 16;
-      const int64_t stride = blocks * 16;         // scores per row
-      const int64_t key_pairs = (it.q_end + 1) / 2;
-      const int64_t prob_stride = stride / 2;     // pairs per row of probs
+      const int64_t stride = blocks * 16;  // scores per row
       scores.resize(rows * stride);
-      probs.resize(rows * stride);
-      probs_lo.resize(rows * stride);
       result.resize(rows * D);
+      inv_sums.resize(rows);
       qrows.resize(rows);
       // row r = (query it.q_begin + r / G, head kv_head * G + r % G)
       auto token_of = [&](int64_t r) { return p.first + it.q_begin + r / G; };
@@ -268,59 +252,52 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t r = 0; r < rows; ++r)
         qrows[r] = reinterpret_cast<const uint32_t*>(
             qp + token_of(r) * sh.q_token_stride + head_of(r) * sh.q_head_stride);
+      float* sc = scores.data();
       int64_t r = 0;
-      for (; r + 4 <= rows; r += 4)
-        score_rows<4>(qrows.data() + r, p.keys, blocks, pairs, fscale, scores.data() + r * stride, stride);
+      for (; r + 6 <= rows; r += 6)
+        score_rows<6>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride);
       switch (rows - r) {
-        case 1: score_rows<1>(qrows.data() + r, p.keys, blocks, pairs, fscale, scores.data() + r * stride, stride); break;
-        case 2: score_rows<2>(qrows.data() + r, p.keys, blocks, pairs, fscale, scores.data() + r * stride, stride); break;
-        case 3: score_rows<3>(qrows.data() + r, p.keys, blocks, pairs, fscale, scores.data() + r * stride, stride); break;
+        case 1: score_rows<1>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+        case 2: score_rows<2>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+        case 3: score_rows<3>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+        case 4: score_rows<4>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+        case 5: score_rows<5>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
         default: break;
       }
-      for (int64_t row = 0; row < rows; ++row) {
-        const int64_t visible = it.q_begin + row / G + 1;
-        softmax_to_bf16(scores.data() + row * stride, visible, prob_stride,
-                        probs.data() + row * stride, probs_lo.data() + row * stride);
-      }
-      const auto* pw = reinterpret_cast<const uint32_t*>(probs.data());
-      const auto* pw_lo = reinterpret_cast<const uint32_t*>(probs_lo.data());
-      // Rows per pass keep NR * CH accumulators in registers (CH = D / 16).
+      for (int64_t row = 0; row < rows; ++row)
+        inv_sums[row] = softmax_numerators(sc + row * stride, it.q_begin + row / G + 1, stride);
+      // Rows per pass keep NR * CH accumulators in registers (CH = D / 16); each pass runs
+      // to the keys its last row sees (the others' numerators are zero there).
       for (int64_t row = 0; row < rows;) {
-        // the rows' last one sees the most keys: pairs up to there
-        const int64_t n = D == 64 ? std::min<int64_t>(4, rows - row) : std::min<int64_t>(2, rows - row);
-        const int64_t last_visible = it.q_begin + (row + n - 1) / G + 1;
-        const int64_t kp_count = std::min(key_pairs, (last_visible + 1) / 2);
-        const uint32_t* pr = pw + row * prob_stride;
-        const uint32_t* pl = pw_lo + row * prob_stride;
+        const int64_t n = std::min<int64_t>(D == 64 ? 6 : D == 128 ? 3 : 1, rows - row);
+        const int64_t keys = it.q_begin + (row + n - 1) / G + 1;
+        const float* pr = sc + row * stride;
         float* o = result.data() + row * D;
         if (D == 64) {
           switch (n) {
-            case 1: weigh_rows<1, 4>(pr, pl, prob_stride, p.values, kp_count, D, o); break;
-            case 2: weigh_rows<2, 4>(pr, pl, prob_stride, p.values, kp_count, D, o); break;
-            case 3: weigh_rows<3, 4>(pr, pl, prob_stride, p.values, kp_count, D, o); break;
-            default: weigh_rows<4, 4>(pr, pl, prob_stride, p.values, kp_count, D, o); break;
+            case 1: weigh_rows<1, 4>(pr, stride, p.values, keys, D, o); break;
+            case 2: weigh_rows<2, 4>(pr, stride, p.values, keys, D, o); break;
+            case 3: weigh_rows<3, 4>(pr, stride, p.values, keys, D, o); break;
+            case 4: weigh_rows<4, 4>(pr, stride, p.values, keys, D, o); break;
+            case 5: weigh_rows<5, 4>(pr, stride, p.values, keys, D, o); break;
+            default: weigh_rows<6, 4>(pr, stride, p.values, keys, D, o); break;
           }
         } else if (D == 128) {
-          if (n == 1) weigh_rows<1, 8>(pr, pl, prob_stride, p.values, kp_count, D, o);
-          else weigh_rows<2, 8>(pr, pl, prob_stride, p.values, kp_count, D, o);
+          switch (n) {
+            case 1: weigh_rows<1, 8>(pr, stride, p.values, keys, D, o); break;
+            case 2: weigh_rows<2, 8>(pr, stride, p.values, keys, D, o); break;
+            default: weigh_rows<3, 8>(pr, stride, p.values, keys, D, o); break;
+          }
         } else {  // D == 32 or 96: one chunk of 16 at a time
-          for (int64_t rr = 0; rr < n; ++rr)
-            for (int64_t c = 0; c < D / 16; ++c) {
-              __m512 acc = _mm512_setzero_ps();
-              for (int64_t tp = 0; tp < kp_count; ++tp)
-              {
-                const __m512i vv = _mm512_loadu_si512(p.values + tp * D + c * 16);
-                acc = dot_pairs(acc, _mm512_set1_epi32(static_cast<int>(pr[rr * prob_stride + tp])), vv);
-                acc = dot_pairs(acc, _mm512_set1_epi32(static_cast<int>(pl[rr * prob_stride + tp])), vv);
-              }
-              _mm512_storeu_ps(o + rr * D + c * 16, acc);
-            }
+          for (int64_t c = 0; c < D / 16; ++c) weigh_rows<1, 1>(pr, stride, p.values + c * 16, keys, D, o + c * 16);
         }
         row += n;
       }
       for (int64_t row = 0; row < rows; ++row) {
         at::BFloat16* dst = op + token_of(row) * sh.out_token_stride + head_of(row) * sh.out_head_stride;
-        for (int64_t d = 0; d < D; d += 16) store16(dst + d, _mm512_loadu_ps(result.data() + row * D + d));
+        const __m512 inv = _mm512_set1_ps(inv_sums[row]);
+        for (int64_t d = 0; d < D; d += 16)
+          store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(result.data() + row * D + d), inv));
       }
     }
   });
