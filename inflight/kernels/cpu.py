@@ -108,6 +108,24 @@ def gguf_matmul(x: torch.Tensor, packed: torch.Tensor, ggml_type: int) -> torch.
     return torch.ops.inflight.gguf_matmul(x, packed, ggml_type)
 
 
+@cache
+def bf16_linear_available() -> bool:
+    """Whether this build has the bfloat16 dot-product linear (it needs AVX512-BF16)."""
+    return available() and bool(torch.ops.inflight.bf16_linear_available())
+
+
+def bf16_pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``weight [N, K]`` (N a multiple of 16, K even) -> the int32 pair tiles
+    :func:`bf16_linear` reads (see csrc/bf16_linear.cpp)."""
+    return torch.ops.inflight.bf16_pack_pairs(weight)
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ W.T -> [M, N] bfloat16`` with W given as
+    :func:`bf16_pack_pairs`'s output."""
+    return torch.ops.inflight.bf16_linear(x, packed, out_features)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
     add: torch.Tensor | None = None,

@@ -40,6 +40,10 @@ class Linear(nn.Module):
         self.block_max_rows = 0
         # oneDNN's blocked copy of a bfloat16 weight (see use_packed_weight).
         self.packed: torch.Tensor | None = None
+        # The weight as bfloat16 pair tiles for steps of up to pair_max_rows rows (see
+        # use_pair_weight).
+        self.pairs: torch.Tensor | None = None
+        self.pair_max_rows = 0
         # (int8 weight [out, in], float32 scale [out], input column multipliers [in] or
         # None) for dynamic W8A8 (see use_int8).
         self.int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -65,6 +69,17 @@ class Linear(nn.Module):
         instead of 39 (weights read from memory), and ``mixed`` 3% less time."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
+    def use_pair_weight(self, max_rows: int) -> None:
+        """Also keep a bfloat16 weight as pair tiles for ``csrc/bf16_linear.cpp``: steps of
+        up to ``max_rows`` rows (and more than the GGUF blocks take) then run that kernel
+        instead of oneDNN. A no-op for shapes it does not take (out_features not a multiple
+        of 16, odd in_features) and for layers with a bias."""
+        out_features, in_features = self.weight.shape
+        if self.bias is not None or out_features % 16 or in_features % 2:
+            return
+        self.pairs = cpu_kernels.bf16_pack_pairs(self.weight.detach())
+        self.pair_max_rows = max_rows
+
     def use_int8(self, smooth: torch.Tensor | None = None) -> None:
         """Quantise the weight to int8 per output channel (``quantization="w8a8"``, see
         model/w8a8.py): steps that do not read GGUF blocks then run the dynamic W8A8
@@ -79,7 +94,7 @@ class Linear(nn.Module):
             weight = weight * smooth
             smooth_inv = (1.0 / smooth).float().contiguous()
         self.int8 = (*cpu_kernels.int8_quantize_weight(weight), smooth_inv)
-        self.packed = None
+        self.packed = self.pairs = None
         # The dense weight is not read again: keep its shape and dtype (FLOP counts, the
         # activation dtype) without its memory (the decoder linears are 4/5 of the model).
         shape, dtype = self.weight.shape, self.weight.dtype
@@ -89,6 +104,11 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.pairs is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] <= self.pair_max_rows
+        ):
+            return cpu_kernels.bf16_linear(x.contiguous(), self.pairs, self.weight.shape[0])
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.blocks is not None and x.shape[0] <= self.block_max_rows:

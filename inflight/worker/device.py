@@ -10,6 +10,7 @@ from functools import cache
 import torch
 from torch import nn
 
+from inflight.cpu_info import cpu_flags
 from inflight.model.arch import LlamaArchConfig
 from inflight.model.llama import Linear, LlamaForCausalLM
 from inflight.model.loader import QuantizedWeight
@@ -123,6 +124,25 @@ def _time_gemms(hidden: int, inner: int) -> tuple[float, float]:
 BLOCK_MATMUL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 8, torch.float16: 32}
 
 
+# Largest step (tokens) whose bfloat16 linears run csrc/bf16_linear.cpp instead of oneDNN,
+# on CPUs with AVX512-BF16 and no AMX (with AMX, oneDNN's tile GEMMs are far faster).
+# Measured on the AMD EPYC (Zen 5), all of SmolLM2's linears per pass, weights from memory,
+# minimum of 8 alternations: 1.21-1.33x oneDNN at 9-57 rows, 1.15x at 100, 1.03-1.04x at
+# 200-256, 1.02x at 400.
+PAIR_MATMUL_MAX_ROWS = 256
+
+
+def pair_matmul_rows() -> int:
+    """Rows up to which bfloat16 linears use the pair-tile kernel here (0: never)."""
+    from inflight.kernels import cpu
+
+    if os.environ.get("INFLIGHT_BF16_LINEAR", "auto") == "onednn":
+        return 0
+    if "amx_bf16" in cpu_flags() or not cpu.bf16_linear_available():
+        return 0
+    return PAIR_MATMUL_MAX_ROWS
+
+
 def block_matmul_rows(
     quantization: str | None, quantized: dict[str, QuantizedWeight], device: torch.device,
     dtype: torch.dtype,
@@ -169,9 +189,12 @@ def build_model(
                 setattr(module, name, nn.Parameter(param.to(device, dtype), requires_grad=False))
     model.tie_weights()
     if device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        pair_rows = pair_matmul_rows()
         for module in model.modules():
             if isinstance(module, Linear):
                 module.use_packed_weight()
+                if pair_rows:
+                    module.use_pair_weight(pair_rows)
     model.rotary.build(device)  # RoPE tables stay float32
     if device.type == "cpu":
         model.use_fused_decode()  # a no-op unless the layers read GGUF blocks in C++

@@ -1,0 +1,83 @@
+"""The bfloat16 pair-tile linear (csrc/bf16_linear.cpp) against a float64 reference.
+
+Products of bfloat16 values are exact in float32 and the kernel sums in float32, so each
+output is the exact dot product to float32's accumulated rounding, then rounded once to
+bfloat16: it must be the float64 result rounded to bfloat16, give or take one unit in the
+last place. A wrong pair order, tile offset or row slice errs by whole values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inflight.kernels import cpu
+from inflight.model.llama import Linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu.bf16_linear_available(), reason="the bf16 linear kernel needs AVX512-BF16"
+)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).to(torch.bfloat16)
+
+
+def assert_within_one_ulp(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    # one bfloat16 unit in the last place of the larger magnitude, plus float32 summation
+    ulp = expected.float().abs().clamp_min(1e-3) * 2.0**-7
+    diff = (got.float() - expected.float()).abs()
+    assert (diff <= ulp).all(), f"max error {diff.max().item()} at {diff.argmax().item()}"
+
+
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (80, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 57])
+def test_matches_float64_reference(m, n, k):
+    torch.manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    got = cpu.bf16_linear(x, cpu.bf16_pack_pairs(w), n)
+    assert_within_one_ulp(got, reference(x, w))
+
+
+def test_each_output_column_reads_its_own_weight_row():
+    """Weight row n = e_n (one-hot, repeated past K): y[:, n] must be x[:, n % K] exactly,
+    so a column read from the wrong tile or pair shows up as a different input."""
+    n, k = 80, 32
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w[torch.arange(n), torch.arange(n) % k] = 1
+    x = torch.randn(9, k).bfloat16()
+    got = cpu.bf16_linear(x, cpu.bf16_pack_pairs(w), n)
+    assert torch.equal(got, x[:, torch.arange(n) % k])
+
+
+def test_linear_module_uses_the_kernel_within_its_rows_and_onednn_past_them():
+    torch.manual_seed(0)
+    layer = Linear(576, 960)
+    layer.weight.data = torch.randn(960, 576).bfloat16()
+    layer.use_packed_weight()
+    layer.use_pair_weight(max_rows=32)
+    assert layer.pairs is not None
+    for m in (9, 32, 33, 64):
+        x = torch.randn(m, 576).bfloat16()
+        assert_within_one_ulp(layer(x), reference(x, layer.weight))
+    # a layer the kernel does not take keeps oneDNN
+    odd = Linear(576, 100)
+    odd.weight.data = torch.randn(100, 576).bfloat16()
+    odd.use_pair_weight(max_rows=32)
+    assert odd.pairs is None
+    x = torch.randn(4, 576).bfloat16()
+    torch.testing.assert_close(odd(x), F.linear(x, odd.weight))
+
+
+def test_bad_shapes_are_refused_with_their_sizes():
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu.bf16_pack_pairs(torch.zeros(20, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu.bf16_pack_pairs(torch.zeros(16, 8))
+    packed = cpu.bf16_pack_pairs(torch.zeros(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="needs"):
+        cpu.bf16_linear(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu.bf16_linear(torch.zeros(2, 8), packed, 32)
