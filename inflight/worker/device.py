@@ -140,6 +140,10 @@ def pair_matmul_rows() -> int:
         return 0
     if "amx_bf16" in cpu_flags() or not cpu.bf16_linear_available():
         return 0
+    logger.info(
+        "bfloat16 linears of up to %d rows: csrc/bf16_linear.cpp (AVX512-BF16, no AMX); "
+        "INFLIGHT_BF16_LINEAR=onednn keeps oneDNN", PAIR_MATMUL_MAX_ROWS,
+    )
     return PAIR_MATMUL_MAX_ROWS
 
 

@@ -81,3 +81,15 @@ def test_bad_shapes_are_refused_with_their_sizes():
         cpu.bf16_linear(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
         cpu.bf16_linear(torch.zeros(2, 8), packed, 32)
+
+
+def test_the_kernel_is_chosen_only_without_amx_and_unless_turned_off(monkeypatch):
+    from inflight.worker import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert device.pair_matmul_rows() == device.PAIR_MATMUL_MAX_ROWS
+    monkeypatch.setenv("INFLIGHT_BF16_LINEAR", "onednn")
+    assert device.pair_matmul_rows() == 0
+    monkeypatch.delenv("INFLIGHT_BF16_LINEAR")
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    assert device.pair_matmul_rows() == 0  # oneDNN's AMX tiles are far faster
