@@ -104,7 +104,7 @@ class ModelConfig:
     max_model_len: int | None = None
     # None: a GGUF file's quantised weights serve small batches when the CPU kernel can
     # (see worker/device.py); "gguf": require that; "none": dense weights only; "w8a8":
-    # as None, and the other steps' linear layers in dynamic int8 (CPU; model/llama.py).
+    # as None, and the other steps' linear layers in dynamic int8 (CPU; model/linear.py).
     quantization: str | None = None
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from inflight.kernels import cpu
-from inflight.model.llama import Linear
+from inflight.model.linear import Linear
 from inflight.model.loader import default_model_path, load_checkpoint
 from inflight.worker.device import build_model
 

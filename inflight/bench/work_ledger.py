@@ -23,7 +23,8 @@ from inflight.bench.machine_peaks import MachinePeaks
 
 if TYPE_CHECKING:
     from inflight.attention.metadata import AttentionMetadata
-    from inflight.model.llama import Linear, LlamaForCausalLM
+    from inflight.model.linear import Linear
+    from inflight.model.llama import LlamaForCausalLM
     from inflight.worker.model_runner import ModelRunner
 
 
@@ -108,7 +109,7 @@ class KernelWork:
     def for_model(
         model: LlamaForCausalLM, kv_dtype: torch.dtype, peaks: MachinePeaks
     ) -> KernelWork:
-        from inflight.model.llama import Linear
+        from inflight.model.linear import Linear
 
         arch = model.arch
         linears = [LinearShape.of(m) for m in model.layers.modules() if isinstance(m, Linear)]

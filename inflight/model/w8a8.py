@@ -76,7 +76,7 @@ class ActivationRanges:
     ``[in_features]`` tensor for each linear that ran."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
-        from inflight.model.llama import Linear
+        from inflight.model.linear import Linear
 
         self.maxima: dict[str, torch.Tensor] = {}
         self._hooks = [
@@ -111,7 +111,7 @@ def dense_only(model: LlamaForCausalLM) -> Iterator[None]:
     calibration then sees the same activations whatever sizes the engine's options give
     its steps (a short prompt chunk would otherwise read the blocks, whose weights differ
     from bfloat16-rounded dense ones)."""
-    from inflight.model.llama import Linear
+    from inflight.model.linear import Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     saved = model.block_max_rows, [m.block_max_rows for m in linears]
@@ -149,7 +149,7 @@ def quantize_linears(
 ) -> int:
     """Give every decoder-layer linear its smoothed int8 weight; a linear without a
     calibration range is quantised unsmoothed. Returns how many were quantised."""
-    from inflight.model.llama import Linear
+    from inflight.model.linear import Linear
 
     count = 0
     for name, module in model.layers.named_modules():

@@ -12,7 +12,8 @@ from torch import nn
 
 from inflight.cpu_info import cpu_flags
 from inflight.model.arch import LlamaArchConfig
-from inflight.model.llama import Linear, LlamaForCausalLM
+from inflight.model.linear import Linear
+from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import QuantizedWeight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.kernels import cpu
-from inflight.model.llama import Linear
+from inflight.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(
     not cpu.bf16_linear_available(), reason="the bf16 linear kernel needs AVX512-BF16"

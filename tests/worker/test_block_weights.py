@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inflight.kernels import cpu
-from inflight.model.llama import Linear
+from inflight.model.linear import Linear
 from inflight.model.loader import default_model_path, load_checkpoint
 from inflight.worker.device import block_matmul_rows, build_model
 

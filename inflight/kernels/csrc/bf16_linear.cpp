@@ -20,8 +20,8 @@
 // accumulators in registers, each step one vdpbf16ps (two multiply-adds per lane) per
 // accumulator, the activation pair broadcast from memory and the tile's 4 vectors loaded
 // once per step. The tile (64 x K x 2 bytes: 72-192 KB here) stays in L2 for the later
-// slices; while a tile computes, the next one is prefetched into L2 a few lines per step,
-// so DRAM streams under the arithmetic instead of before it.
+// slices; while a tile computes, the next one is prefetched into L2, its lines spread evenly
+// over the current tile's steps, so DRAM streams under the arithmetic instead of before it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,7 +29,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "vec_math.h"
 

@@ -1,0 +1,119 @@
+"""The linear layer and the weight forms it computes from, chosen per step by row count.
+
+A ``Linear`` always has its dense weight; on the CPU it may also hold oneDNN's blocked copy
+(bfloat16), bfloat16 pair tiles for ``csrc/bf16_linear.cpp`` (mid-sized steps, no AMX), the
+GGUF blocks of a quantised checkpoint (small steps) or an int8 copy (``quantization="w8a8"``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.kernels import cpu as cpu_kernels
+from inflight.model.loader import QuantizedWeight
+
+
+class Linear(nn.Module):
+    """``nn.Linear`` without random initialisation: weights always come from a checkpoint.
+
+    Optionally also holds the weight as GGUF blocks (:meth:`use_blocks`): batches of up to
+    ``block_max_rows`` rows then read those (4-8 bits per weight) instead of the dense
+    weight, which is what bounds a step with one or a few sequences.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        )
+        self.blocks: QuantizedWeight | None = None
+        self.block_max_rows = 0
+        # oneDNN's blocked copy of a bfloat16 weight (see use_packed_weight).
+        self.packed: torch.Tensor | None = None
+        # The weight as bfloat16 pair tiles for steps of up to pair_max_rows rows (see
+        # use_pair_weight).
+        self.pairs: torch.Tensor | None = None
+        self.pair_max_rows = 0
+        # (int8 weight [out, in], float32 scale [out], input column multipliers [in] or
+        # None) for dynamic W8A8 (see use_int8).
+        self.int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    def use_blocks(self, blocks: QuantizedWeight | None, max_rows: int) -> None:
+        if blocks is not None and tuple(blocks.blocks.shape[:1]) != self.weight.shape[:1]:
+            raise ValueError(
+                f"quantised weight has {blocks.blocks.shape[0]} rows, expected "
+                f"{self.weight.shape[0]}"
+            )
+        if blocks is not None:
+            blocks = QuantizedWeight(
+                blocks.ggml_type, cpu_kernels.gguf_pack(blocks.blocks, blocks.ggml_type)
+            )
+        self.blocks = blocks  # packed for the kernel
+        self.block_max_rows = max_rows if blocks is not None else 0
+
+    def use_packed_weight(self) -> None:
+        """Also keep the weight in oneDNN's blocked layout for AMX (CPU, bfloat16).
+
+        ``F.linear`` reorders the weight into that layout on every call, which a step of a
+        few dozen tokens feels: one pass over SmolLM2's layers at 64 rows took 28 ms
+        instead of 39 (weights read from memory), and ``mixed`` 3% less time."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+
+    def use_pair_weight(self, max_rows: int) -> None:
+        """Also keep a bfloat16 weight as pair tiles for ``csrc/bf16_linear.cpp``: steps of
+        up to ``max_rows`` rows (and more than the GGUF blocks take) then run that kernel
+        instead of oneDNN. A no-op for shapes it does not take (out_features not a multiple
+        of 16, odd in_features) and for layers with a bias."""
+        out_features, in_features = self.weight.shape
+        if self.bias is not None or out_features % 16 or in_features % 2:
+            return
+        self.pairs = cpu_kernels.bf16_pack_pairs(self.weight.detach())
+        self.pair_max_rows = max_rows
+
+    def use_int8(self, smooth: torch.Tensor | None = None) -> None:
+        """Quantise the weight to int8 per output channel (``quantization="w8a8"``, see
+        model/w8a8.py): steps that do not read GGUF blocks then run the dynamic W8A8
+        kernel, activations quantised per token (csrc/int8_linear.cpp). ``smooth [in]``
+        (positive): SmoothQuant's factors, the weight's columns are multiplied by them
+        and the inputs' columns divided. CPU only."""
+        if self.int8 is not None:
+            raise RuntimeError("use_int8() once: the dense weight is gone after the first call")
+        weight = self.weight.detach().float()
+        smooth_inv = None
+        if smooth is not None:
+            weight = weight * smooth
+            smooth_inv = (1.0 / smooth).float().contiguous()
+        self.int8 = (*cpu_kernels.int8_quantize_weight(weight), smooth_inv)
+        self.packed = self.pairs = None
+        # The dense weight is not read again: keep its shape and dtype (FLOP counts, the
+        # activation dtype) without its memory (the decoder linears are 4/5 of the model).
+        shape, dtype = self.weight.shape, self.weight.dtype
+        self.weight = nn.Parameter(
+            torch.zeros(1, dtype=dtype, device=self.weight.device).expand(shape),
+            requires_grad=False,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.pairs is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] <= self.pair_max_rows
+        ):
+            return cpu_kernels.bf16_linear(x.contiguous(), self.pairs, self.weight.shape[0])
+        if self.packed is not None and x.dtype == self.weight.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.blocks is not None and x.shape[0] <= self.block_max_rows:
+            y = cpu_kernels.gguf_matmul(
+                x.float().contiguous(), self.blocks.blocks, self.blocks.ggml_type
+            )
+        elif self.int8 is not None:
+            y = cpu_kernels.int8_linear(x.float().contiguous(), *self.int8)
+        else:
+            if x.dtype != self.weight.dtype:  # a float32 small step on a layer without blocks
+                return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
