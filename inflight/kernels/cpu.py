@@ -150,20 +150,22 @@ def rope_write_kv(
     )
 
 
-def decode_layer(
-    x: torch.Tensor, pending: torch.Tensor | None, fixed: tuple[object, ...],
-    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-    slot_mapping: torch.Tensor, step: tuple[object, ...],
-) -> torch.Tensor:
-    """One decoder layer of a decode step whose linears all read GGUF blocks (see
-    csrc/decode_layer.cpp): ``x [T, hidden]`` float32 is updated in place, the layer's MLP
-    output returned. ``fixed`` = (input norm weight, post-attention norm weight, eps, then
-    blocks and ggml type of qkv, o, gate_up, down); ``step`` = (block_tables, query_start,
-    seq_lens, num_heads, num_kv_heads, scale)."""
-    return torch.ops.inflight.decode_layer(
-        x, pending, *fixed, positions, cos, sin, k_cache, v_cache, k_scale, v_scale,
-        slot_mapping, *step,
+def decode_stack(
+    layer_tensors: list[torch.Tensor], layer_types: list[int], eps: float,
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+    k_scales: list[torch.Tensor], v_scales: list[torch.Tensor],
+    num_heads: int, num_kv_heads: int, scale: float,
+) -> torch.ScriptObject:
+    """Every decoder layer of a decode step whose linears all read GGUF blocks, as one C++
+    object (see csrc/decode_layer.cpp): ``layer_tensors`` holds 6 per layer (input norm
+    weight, post-attention norm weight, then the blocks of qkv, o, gate_up, down),
+    ``layer_types`` their 4 ggml types; one K and V cache per layer, and one K and V scale
+    per layer with an int8 cache (else empty lists). Its ``run(x, positions, cos, sin,
+    slot_mapping, block_tables, query_start, seq_lens)`` updates ``x [T, hidden]``
+    (float32) in place and returns the last layer's MLP output."""
+    return torch.classes.inflight.DecodeStack(
+        layer_tensors, layer_types, eps, k_caches, v_caches, k_scales, v_scales,
+        num_heads, num_kv_heads, scale,
     )
 
 

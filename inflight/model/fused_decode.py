@@ -1,9 +1,10 @@
-"""Each decoder layer of a small decode step as one C++ call (``csrc/decode_layer.cpp``).
+"""All decoder layers of a small decode step as one C++ call (``csrc/decode_layer.cpp``).
 
 A single-stream decode step spends as long in Python and the dispatcher between a layer's
 nine kernels as in the kernels themselves. Where every linear layer reads GGUF blocks,
-``decode_layer`` runs the same kernels in the same order from C++, so the outputs are
-bit-identical to the layer-by-layer path (tests/e2e/test_fused_decode.py).
+a ``DecodeStack`` runs the same kernels in the same order from C++ for every layer, so the
+outputs are bit-identical to the layer-by-layer path (tests/e2e/test_fused_decode.py). It
+holds the layers' weights and KV caches, so a step passes only its own tensors.
 """
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ if TYPE_CHECKING:
     from inflight.model.llama import LlamaForCausalLM
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FusedDecode:
-    """The fixed arguments of each layer's call: its two RMSNorm weights, the norm's eps,
-    then (blocks, GGML type) of qkv, o, gate_up and down."""
+    """The layers' fixed arguments (6 tensors and 4 ggml types a layer, see
+    ``cpu_kernels.decode_stack``) and the C++ stack built from them and the KV caches."""
 
-    layer_args: list[tuple[object, ...]]
+    layer_tensors: list[torch.Tensor]
+    layer_types: list[int]
+    eps: float
     max_rows: int  # steps of more tokens take the matmul paths, not the block kernel
+    # the stack for the last KV cache list seen (the runner passes the same list each step)
+    _stack: torch.ScriptObject | None = None
+    _stack_caches: list[LayerKVCache] | None = None
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedDecode | None:
@@ -49,18 +55,15 @@ class FusedDecode:
         )
         if not usable:
             return None
-        layer_args = []
+        tensors: list[torch.Tensor] = []
+        types: list[int] = []
         for layer, linears in zip(layers, projections, strict=True):
-            weights: list[object] = []
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in linears:
                 assert linear.blocks is not None
-                weights += [linear.blocks.blocks, linear.blocks.ggml_type]
-            layer_args.append((
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                layer.input_layernorm.eps, *weights,
-            ))
-        return FusedDecode(layer_args, model.block_max_rows)
-
+                tensors.append(linear.blocks.blocks)
+                types.append(linear.blocks.ggml_type)
+        return FusedDecode(tensors, types, layers[0].input_layernorm.eps, model.block_max_rows)
     def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """Few enough tokens for the block kernel, and every one a varlen decode."""
         decode = metadata.decode
@@ -78,17 +81,22 @@ class FusedDecode:
         place); returns the last layer's output, still to be added by the final norm."""
         decode = metadata.decode
         assert isinstance(decode, VarlenGroup)
-        attn = model.layers[0].self_attn
-        step = (decode.block_tables, decode.query_start, decode.seq_lens,
-                attn.num_heads, attn.num_kv_heads, attn.scale)
-        cos, sin, slots = model.rotary.cos, model.rotary.sin, metadata.slot_mapping
-        pending = None
-        for fixed, (k_cache, v_cache, k_scale, v_scale) in zip(
-            self.layer_args, kv_caches, strict=True
-        ):
-            pending = cpu_kernels.decode_layer(
-                x, pending, fixed, positions, cos, sin, k_cache, v_cache, k_scale, v_scale,
-                slots, step,
+        return self._stack_for(model, kv_caches).run(
+            x, positions, model.rotary.cos, model.rotary.sin, metadata.slot_mapping,
+            decode.block_tables, decode.query_start, decode.seq_lens,
+        )
+
+    def _stack_for(
+        self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache]
+    ) -> torch.ScriptObject:
+        if self._stack is None or self._stack_caches is not kv_caches:
+            attn = model.layers[0].self_attn
+            scales = [c for c in kv_caches if c.k_scale is not None]
+            self._stack = cpu_kernels.decode_stack(
+                self.layer_tensors, self.layer_types, self.eps,
+                [c.k for c in kv_caches], [c.v for c in kv_caches],
+                [c.k_scale for c in scales], [c.v_scale for c in scales],  # type: ignore[misc]
+                attn.num_heads, attn.num_kv_heads, attn.scale,
             )
-        assert pending is not None
-        return pending
+            self._stack_caches = kv_caches
+        return self._stack

@@ -1,29 +1,42 @@
-// One decoder layer of a small decode step in one call: the same kernels, in the same
+// Every decoder layer of a small decode step in one call: the same kernels, in the same
 // order, as the Python modules run them (so outputs are bit-identical), without the
 // Python in between.
 //
-//   decode_layer(x, pending, ...) -> mlp_out
+//   stack = torch.classes.inflight.DecodeStack(layer_tensors, layer_types, eps, k_caches,
+//                                              v_caches, k_scales, v_scales, num_heads,
+//                                              num_kv_heads, scale)      once
+//   pending = stack.run(x, positions, cos, sin, slot_mapping, block_tables, query_start,
+//                       seq_lens)                                        every small step
 //
-//   x:        [T, hidden] float32 residual stream, updated in place (x += pending, then
-//             x += attention output), as rms_norm(..., add=) does in the Python path
-//   pending:  the previous layer's MLP output (None for the first layer)
-//   *_blocks: the layer's GGUF weights as gguf_pack left them, with their ggml types
-//   the rest: as rope_write_kv and paged_attention take them (csrc/layer_ops.cpp,
-//             csrc/paged_attention.cpp); every token is a decode token (one per sequence)
-//   returns:  [T, hidden] float32, this layer's MLP output (the next layer's `pending`)
+//   layer_tensors: 6 per layer: input norm weight, post-attention norm weight, then the
+//                  GGUF blocks (as gguf_pack left them) of qkv, o, gate_up and down
+//   layer_types:   4 per layer: the ggml types of those four blocks
+//   k/v_caches:    one per layer, as paged_attention takes them; k/v_scales: one per layer
+//                  with an int8 cache, else empty
+//   x:             [T, hidden] float32 residual stream, updated in place (x += the previous
+//                  layer's MLP output, then x += the attention output), as
+//                  rms_norm(..., add=) does in the Python path
+//   the rest:      as rope_write_kv and paged_attention take them (csrc/layer_ops.cpp,
+//                  csrc/paged_attention.cpp); every token is a decode token
+//   returns:       [T, hidden] float32, the last layer's MLP output (still to be added)
 //
-// Why: a step of one or a few sequences streams the weights once and does little else,
-// so the ~9 Python-level calls per layer (module dispatch, argument checks, views) were
-// about a tenth of it. Only steps whose every linear layer reads GGUF blocks (at most
-// Linear.block_max_rows tokens, float32 activations) and whose attention is one varlen
-// decode group take this path (model/llama.py, LlamaForCausalLM.forward).
+// Why: a step of one or a few sequences streams the weights once and does little else.
+// The ~9 Python-level calls per layer (module dispatch, argument checks, views) were about
+// a tenth of it; one Python call per layer still cost ~14 us of argument conversion per
+// layer (0.42 ms a token over 30 layers, ~8% of a single stream's step on an AMD EPYC
+// Zen 5), so the layers' fixed arguments live here and the step crosses into C++ once.
+// Only steps whose every linear layer reads GGUF blocks (at most Linear.block_max_rows
+// tokens, float32 activations) and whose attention is one varlen decode group take this
+// path (model/fused_decode.py).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -45,46 +58,80 @@ c10::TypedOperatorHandle<Fn> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
-at::Tensor decode_layer(
-    at::Tensor& x, const std::optional<at::Tensor>& pending, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_blocks, int64_t qkv_type,
-    const at::Tensor& o_blocks, int64_t o_type, const at::Tensor& gate_up_blocks,
-    int64_t gate_up_type, const at::Tensor& down_blocks, int64_t down_type,
-    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor& k_cache, at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
-    int64_t num_heads, int64_t num_kv_heads, double scale) {
-  static const auto rms_norm = find<RmsNormFn>("inflight::rms_norm");
-  static const auto gguf_matmul = find<GgufMatmulFn>("inflight::gguf_matmul");
-  static const auto rope_write_kv = find<RopeFn>("inflight::rope_write_kv");
-  static const auto paged_attention = find<AttentionFn>("inflight::paged_attention");
-  static const auto silu_mul = find<SiluMulFn>("inflight::silu_mul");
+constexpr int64_t kTensorsPerLayer = 6;
+constexpr int64_t kTypesPerLayer = 4;
 
-  const at::Tensor h = rms_norm.call(x, input_norm, eps, at::kFloat, pending);
-  const at::Tensor qkv = gguf_matmul.call(h, qkv_blocks, qkv_type);
-  const auto q_k = rope_write_kv.call(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
-                                      num_heads, num_kv_heads, k_scale, v_scale);
-  const at::Tensor attn = paged_attention.call(std::get<0>(q_k).contiguous(), k_cache, v_cache,
-                                               block_tables, query_start, seq_lens, scale,
-                                               k_scale, v_scale);
-  const at::Tensor o = gguf_matmul.call(attn.reshape({x.size(0), -1}).contiguous(), o_blocks,
-                                        o_type);
-  const at::Tensor h2 = rms_norm.call(x, post_norm, eps, at::kFloat, o);
-  const at::Tensor gate_up = gguf_matmul.call(h2, gate_up_blocks, gate_up_type);
-  return gguf_matmul.call(silu_mul.call(gate_up).contiguous(), down_blocks, down_type);
-}
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> layer_tensors;
+  std::vector<int64_t> layer_types;
+  double eps;
+  std::vector<at::Tensor> k_caches, v_caches, k_scales, v_scales;
+  int64_t num_heads, num_kv_heads;
+  double scale;
+
+  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> types, double eps_,
+              std::vector<at::Tensor> k, std::vector<at::Tensor> v,
+              std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t heads,
+              int64_t kv_heads, double scale_)
+      : layer_tensors(std::move(tensors)), layer_types(std::move(types)), eps(eps_),
+        k_caches(std::move(k)), v_caches(std::move(v)), k_scales(std::move(ks)),
+        v_scales(std::move(vs)), num_heads(heads), num_kv_heads(kv_heads), scale(scale_) {
+    const int64_t layers = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK(layers > 0, "DecodeStack needs at least one layer");
+    TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == kTensorsPerLayer * layers &&
+                    static_cast<int64_t>(layer_types.size()) == kTypesPerLayer * layers &&
+                    static_cast<int64_t>(v_caches.size()) == layers,
+                "DecodeStack: ", kTensorsPerLayer, " tensors, ", kTypesPerLayer,
+                " types and one K and V cache per layer");
+    TORCH_CHECK(k_scales.size() == v_scales.size() &&
+                    (k_scales.empty() || static_cast<int64_t>(k_scales.size()) == layers),
+                "DecodeStack: K/V scales for every layer (int8 caches) or for none");
+  }
+
+  at::Tensor run(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
+                 const at::Tensor& sin, const at::Tensor& slot_mapping,
+                 const at::Tensor& block_tables, const at::Tensor& query_start,
+                 const at::Tensor& seq_lens) {
+    static const auto rms_norm = find<RmsNormFn>("inflight::rms_norm");
+    static const auto gguf_matmul = find<GgufMatmulFn>("inflight::gguf_matmul");
+    static const auto rope_write_kv = find<RopeFn>("inflight::rope_write_kv");
+    static const auto paged_attention = find<AttentionFn>("inflight::paged_attention");
+    static const auto silu_mul = find<SiluMulFn>("inflight::silu_mul");
+
+    std::optional<at::Tensor> pending;
+    for (size_t i = 0; i < k_caches.size(); ++i) {
+      const at::Tensor* w = layer_tensors.data() + kTensorsPerLayer * i;
+      const int64_t* type = layer_types.data() + kTypesPerLayer * i;
+      std::optional<at::Tensor> k_scale, v_scale;
+      if (!k_scales.empty()) {
+        k_scale = k_scales[i];
+        v_scale = v_scales[i];
+      }
+      const at::Tensor h = rms_norm.call(x, w[0], eps, at::kFloat, pending);
+      const at::Tensor qkv = gguf_matmul.call(h, w[2], type[0]);
+      const auto q_k = rope_write_kv.call(qkv, positions, cos, sin, k_caches[i], v_caches[i],
+                                          slot_mapping, num_heads, num_kv_heads, k_scale,
+                                          v_scale);
+      const at::Tensor attn = paged_attention.call(
+          std::get<0>(q_k).contiguous(), k_caches[i], v_caches[i], block_tables, query_start,
+          seq_lens, scale, k_scale, v_scale);
+      const at::Tensor o =
+          gguf_matmul.call(attn.reshape({x.size(0), -1}).contiguous(), w[3], type[1]);
+      const at::Tensor h2 = rms_norm.call(x, w[1], eps, at::kFloat, o);
+      const at::Tensor gate_up = gguf_matmul.call(h2, w[4], type[2]);
+      pending = gguf_matmul.call(silu_mul.call(gate_up).contiguous(), w[5], type[3]);
+    }
+    return *pending;
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inflight, m) {
-  m.def(
-      "decode_layer(Tensor(a!) x, Tensor? pending, Tensor input_norm, Tensor post_norm, "
-      "float eps, Tensor qkv_blocks, int qkv_type, Tensor o_blocks, int o_type, "
-      "Tensor gate_up_blocks, int gate_up_type, Tensor down_blocks, int down_type, "
-      "Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-      "Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor query_start, Tensor seq_lens, int num_heads, int num_kv_heads, float scale) "
-      "-> Tensor");
-  m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
+                       double>())
+      .def("run", &DecodeStack::run);
 }
