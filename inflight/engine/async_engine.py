@@ -58,6 +58,7 @@ from typing import Any
 
 from inflight.engine.engine_commands import Abort, Add, ResetPrefixCache, Shutdown
 from inflight.engine.engine_loop import EngineLoop, RequestTimeoutError
+from inflight.engine.engine_thread import EngineThread
 from inflight.engine.llm_engine import LLMEngine, PromptInput
 from inflight.engine.request_stream import (
     EngineDeadError,
@@ -91,10 +92,14 @@ class AsyncLLMEngine(EngineLoop):
         *,
         request_timeout: float | None = None,
         max_consecutive_step_failures: int = DEFAULT_MAX_CONSECUTIVE_STEP_FAILURES,
+        engine_thread: EngineThread | None = None,
     ) -> None:
         """``request_timeout``: seconds a request may take from arrival to its end unless
         it sets its own (None: no limit). ``max_consecutive_step_failures``: failing
-        steps in a row that mark the engine unhealthy."""
+        steps in a row that mark the engine unhealthy. ``engine_thread``: the thread that
+        built ``engine`` (see :meth:`from_options`), to warm it up and step it on; one is
+        started if None. An engine whose model already ran on another living thread
+        still works, only its CPU kernels are slower (``engine/engine_thread.py``)."""
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
         if max_consecutive_step_failures < 1:
@@ -105,13 +110,18 @@ class AsyncLLMEngine(EngineLoop):
         self._kv_cache_populated = False
         # How far a stream's reader may fall behind before its request is dropped.
         self.stream_limits = StreamLimits()
+        self._engine_thread = engine_thread
         super().__init__(engine, observers, max_consecutive_step_failures)
 
     @classmethod
     def from_options(
         cls, model: str | None = None, *, request_timeout: float | None = None, **options: Any
     ) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_options(model, **options), request_timeout=request_timeout)
+        """Build the engine on its own thread, where it will be warmed up and stepped
+        (every model computation on one thread: see ``engine/engine_thread.py``)."""
+        thread = EngineThread()
+        engine = thread.call(lambda: LLMEngine.from_options(model, **options))
+        return cls(engine, request_timeout=request_timeout, engine_thread=thread)
 
     # ------------------------------------------------------------------ read-only facts
 
@@ -172,16 +182,22 @@ class AsyncLLMEngine(EngineLoop):
         # Map the KV cache first: faulting in gigabytes later, beside the first clients'
         # steps, cost them seconds of TTFT on this project's VMs.
         self._kv_cache_populated = self._engine.populate_kv_cache()
-        self._engine.warm_up()
+        self._compute_thread().call(self._engine.warm_up)
         return time.monotonic() - started
+
+    def _compute_thread(self) -> EngineThread:
+        if self._engine_thread is None:
+            self._engine_thread = EngineThread()
+        return self._engine_thread
 
     def start(self) -> None:
         """Bind to the running event loop and start the engine thread."""
         if self._thread is not None:
             raise RuntimeError("the engine is already started")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
-        self._thread.start()
+        thread = self._compute_thread()
+        thread.run_last(self._run)
+        self._thread = thread
         if not self._kv_cache_populated:
             # Map the KV cache in while idle, not on first requests (safe beside the engine).
             threading.Thread(target=self._engine.populate_kv_cache, daemon=True).start()

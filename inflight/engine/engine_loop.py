@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from inflight.core.request import RequestStatus
 from inflight.engine.engine_commands import Abort, Add, Command, ResetPrefixCache, Shutdown
+from inflight.engine.engine_thread import EngineThread
 from inflight.engine.live_request import LiveRequest
 from inflight.engine.llm_engine import EngineOverloadedError, LLMEngine
 from inflight.engine.loop_delivery import Outbox, deliver_on_loop
@@ -75,7 +76,7 @@ class EngineLoop:
         self._closed = False
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: EngineThread | None = None  # set once the loop is queued on it
         self._live: dict[str, LiveRequest] = {}
         self._unscheduled: dict[str, LiveRequest] = {}  # accepted, never scheduled yet
         self._recorder = StatsRecorder(engine.max_model_len)
