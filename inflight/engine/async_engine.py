@@ -19,6 +19,9 @@ Invariants:
   :class:`EngineStats` snapshot, which the engine thread swaps after each iteration.
   Statistics are gathered per step and folded in once per step (:class:`StepStats`)
   and once per ended request; nothing on the engine thread takes a lock for them.
+* :meth:`from_options` builds the engine on the engine thread, and :meth:`warm_up` runs
+  there too: every model computation happens on that one thread (a second thread with
+  its own OpenMP pool slowed every CPU kernel about 2x, see ``engine/engine_thread.py``).
 * The thread blocks on the command queue whenever the engine has no unfinished request
   (no busy-spinning), and drains every queued command before each step.
 * A request ends exactly once, with a final delta (``finished=True``) or an exception
