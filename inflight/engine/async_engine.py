@@ -123,7 +123,11 @@ class AsyncLLMEngine(EngineLoop):
         """Build the engine on its own thread, where it will be warmed up and stepped
         (every model computation on one thread: see ``engine/engine_thread.py``)."""
         thread = EngineThread()
-        engine = thread.call(lambda: LLMEngine.from_options(model, **options))
+        try:
+            engine = thread.call(lambda: LLMEngine.from_options(model, **options))
+        except BaseException:
+            thread.stop()  # no engine to step: let the thread end
+            raise
         return cls(engine, request_timeout=request_timeout, engine_thread=thread)
 
     # ------------------------------------------------------------------ read-only facts

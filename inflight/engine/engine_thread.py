@@ -45,6 +45,10 @@ class EngineThread:
         self._jobs.put((Future(), fn))
         self._jobs.put(None)
 
+    def stop(self) -> None:
+        """End the thread once the jobs queued so far have run."""
+        self._jobs.put(None)
+
     @property
     def ident(self) -> int | None:
         return self._thread.ident

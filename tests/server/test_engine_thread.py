@@ -65,3 +65,13 @@ def test_engine_thread_runs_jobs_in_order_and_hands_back_results_and_errors() ->
     thread.run_last(done.set)
     thread.join(timeout=10)
     assert done.is_set() and not thread.is_alive()
+
+
+def test_a_failed_build_raises_and_ends_its_thread(tmp_path: Path) -> None:
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(Exception, match="no-such-model"):
+        AsyncLLMEngine.from_options(str(tmp_path / "no-such-model"))
+    for thread in threading.enumerate():
+        if thread.ident not in before and thread.name == "inflight-engine":
+            thread.join(timeout=10)
+            assert not thread.is_alive(), "the engine thread outlived a failed build"
