@@ -31,9 +31,9 @@ class FusedDecode:
     layer_types: list[int]
     eps: float
     max_rows: int  # steps of more tokens take the matmul paths, not the block kernel
-    # the stack for the last KV cache list seen (the runner passes the same list each step)
+    # the stack, and the layers' caches it was built for (held here, so compared by identity)
     _stack: torch.ScriptObject | None = None
-    _stack_caches: list[LayerKVCache] | None = None
+    _stack_caches: tuple[LayerKVCache, ...] = ()
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedDecode | None:
@@ -64,6 +64,7 @@ class FusedDecode:
                 tensors.append(linear.blocks.blocks)
                 types.append(linear.blocks.ggml_type)
         return FusedDecode(tensors, types, layers[0].input_layernorm.eps, model.block_max_rows)
+
     def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """Few enough tokens for the block kernel, and every one a varlen decode."""
         decode = metadata.decode
@@ -89,7 +90,10 @@ class FusedDecode:
     def _stack_for(
         self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache]
     ) -> torch.ScriptObject:
-        if self._stack is None or self._stack_caches is not kv_caches:
+        same = len(kv_caches) == len(self._stack_caches) and all(
+            held is given for held, given in zip(self._stack_caches, kv_caches, strict=True)
+        )
+        if self._stack is None or not same:
             attn = model.layers[0].self_attn
             scales = [c for c in kv_caches if c.k_scale is not None]
             self._stack = cpu_kernels.decode_stack(
@@ -98,5 +102,5 @@ class FusedDecode:
                 [c.k_scale for c in scales], [c.v_scale for c in scales],  # type: ignore[misc]
                 attn.num_heads, attn.num_kv_heads, attn.scale,
             )
-            self._stack_caches = kv_caches
+            self._stack_caches = tuple(kv_caches)
         return self._stack
