@@ -11,6 +11,7 @@ value still gets a 200).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ from inflight.entrypoints.openai.request_fields import (
     COMPLETION_FIELDS,
     Implemented,
     Refused,
+    log_unknown_fields,
 )
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -286,6 +288,22 @@ def test_n_is_capped_as_in_openai(tiny_server: ServerProcess, endpoint: str) -> 
 def test_unknown_fields_are_ignored(tiny_server: ServerProcess, endpoint: str) -> None:
     path, base, _, _, _ = ENDPOINTS[endpoint]
     _assert_ok(_post(tiny_server, path, base | {"not_a_field_anywhere": {"x": 1}}), False)
+
+
+@pytest.mark.parametrize(
+    ("request_type", "base"),
+    [(CompletionRequest, {"model": "m", "prompt": "hi"}),
+     (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})],
+)
+def test_unknown_fields_are_named_in_a_warning(
+    request_type: type, base: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ignored, as vLLM does, but not silently: the server log names them."""
+    request = request_type.model_validate(base | {"foo": 1, "bar_baz": [2]})
+    with caplog.at_level(logging.WARNING, logger="inflight.entrypoints.openai.request_fields"):
+        log_unknown_fields(request, "/v1/test")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("bar_baz" in m and "foo" in m and "ignored" in m for m in warnings), warnings
 
 
 def test_chat_echo_and_continue_are_not_ignored(tiny_server: ServerProcess) -> None:

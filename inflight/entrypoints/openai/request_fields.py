@@ -3,8 +3,9 @@
 One table per endpoint: each known field is either :class:`Implemented` (with what it does
 here) or :class:`Refused` (a 400 naming the field, with the reason, but only when the
 request sets it to something other than its neutral value: ``"n": 1``, ``"logprobs":
-null`` or ``"presence_penalty": 0`` still work). A field in neither schema is ignored,
-with a debug log line (:func:`log_unknown_fields`).
+null`` or ``"presence_penalty": 0`` still work). A field in neither schema is ignored
+with a warning naming it, as vLLM does (:func:`log_unknown_fields`; OpenAI's own API
+answers 400, but clients written for other servers send their own extras).
 
 The field lists follow OpenAI's ``openai`` package (3.57) and vLLM's protocol at commit
 002032ee2b18e1f7bd924ec47b62504ba3866063 (``vllm/entrypoints/openai/completion/protocol.py``
@@ -229,6 +230,9 @@ def refuse_legacy_guided_fields(request: BaseModel) -> None:
 
 
 def log_unknown_fields(request: BaseModel, endpoint: str) -> None:
-    """Fields in neither schema are ignored, as OpenAI does; say so at debug level."""
+    """Fields in neither schema are ignored, as vLLM does: say which, at warning level."""
     if request.model_extra:
-        logger.debug("%s: ignoring unknown fields %s", endpoint, sorted(request.model_extra))
+        logger.warning(
+            "%s: the following fields were present in the request but ignored: %s",
+            endpoint, sorted(request.model_extra),
+        )
