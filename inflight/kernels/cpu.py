@@ -120,10 +120,12 @@ def bf16_pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.inflight.bf16_pack_pairs(weight)
 
 
-def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x [M, K] bfloat16 @ W.T -> [M, N] bfloat16`` with W given as
-    :func:`bf16_pack_pairs`'s output."""
-    return torch.ops.inflight.bf16_linear(x, packed, out_features)
+def bf16_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, float32_out: bool = False
+) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ W.T -> [M, N]`` with W given as :func:`bf16_pack_pairs`'s
+    output: bfloat16, or with ``float32_out`` the float32 sums unrounded."""
+    return torch.ops.inflight.bf16_linear(x, packed, out_features, float32_out)
 
 
 def rms_norm(

@@ -96,6 +96,20 @@ class Linear(nn.Module):
             requires_grad=False,
         )
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` with float32 outputs: for the output layer, whose logits rounded to
+        bfloat16 (8 bits of mantissa: steps of 1/16 at a logit of 10) often tie, and greedy
+        argmax then takes the lowest tied id. Unrounded where the bf16 pair kernel takes
+        the step; other paths' outputs are widened (the GGUF blocks' are float32 already)."""
+        if (
+            self.pairs is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] <= self.pair_max_rows
+        ):
+            return cpu_kernels.bf16_linear(
+                x.contiguous(), self.pairs, self.weight.shape[0], float32_out=True
+            )
+        return self(x).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             self.pairs is not None and x.dtype == torch.bfloat16 and x.dim() == 2

@@ -243,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits ``[rows, vocab]`` for the hidden states of the sampled rows."""
+        return self.lm_head.forward_float32(hidden)
 
     def use_cpu_kernels(self) -> None:
         """Run RMSNorm, RoPE + K/V write and SiLU-mul as fused C++ ops (CPU only)."""

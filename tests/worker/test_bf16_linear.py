@@ -41,6 +41,41 @@ def test_matches_float64_reference(m, n, k):
     assert_within_one_ulp(got, reference(x, w))
 
 
+@pytest.mark.parametrize("m", [1, 6, 13])
+def test_float32_out_is_the_unrounded_sum(m):
+    """float32_out (the output layer's logits): float32, within float32 summation error of
+    the float64 product (far inside a bfloat16 unit), and the bfloat16 output is exactly
+    it rounded."""
+    torch.manual_seed(m)
+    n, k = 960, 576
+    x = torch.randn(m, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    packed = cpu.bf16_pack_pairs(w)
+    got = cpu.bf16_linear(x, packed, n, float32_out=True)
+    exact = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-16 + 1e-4).all()
+    assert torch.equal(cpu.bf16_linear(x, packed, n), got.bfloat16())
+
+
+def test_logits_are_not_rounded_to_bfloat16():
+    """compute_logits' path: a bf16 output layer within the kernel's rows gives float32
+    logits that are not all bfloat16 values (rounded ones tie, and argmax takes the
+    lowest tied id)."""
+    torch.manual_seed(0)
+    layer = Linear(576, 4096, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(4096, 576) * 0.05)
+    layer.to(torch.bfloat16)
+    layer.use_pair_weight(256)
+    hidden = torch.randn(20, 576).bfloat16()
+    logits = layer.forward_float32(hidden)
+    assert logits.dtype == torch.float32
+    assert not torch.equal(logits, logits.bfloat16().float())
+    torch.testing.assert_close(logits, (hidden.double() @ layer.weight.double().T).float(),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_each_output_column_reads_its_own_weight_row():
     """Weight row n = e_n (one-hot, repeated past K): y[:, n] must be x[:, n % K] exactly,
     so a column read from the wrong tile or pair shows up as a different input."""

@@ -44,9 +44,9 @@ using inflight_vec::store16;
 // acc[r][j] over all K for NR activation rows and NB 16-column blocks of one tile; then
 // rounded into y. While it runs, `lines` cache lines from `prefetch` go to L2, spread over
 // the steps.
-template <int NR, int NB>
+template <int NR, int NB, typename out_t>
 void slice(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t width, int64_t kpairs,
-           at::BFloat16* y, int64_t ldy, const char* prefetch, int64_t lines) {
+           out_t* y, int64_t ldy, const char* prefetch, int64_t lines) {
   __m512 acc[NR][NB];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -68,23 +68,24 @@ void slice(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t width, int
     for (int j = 0; j < NB; ++j) store16(y + r * ldy + 16 * j, acc[r][j]);
 }
 
-template <int NB>
+template <int NB, typename out_t>
 void slice_rows(int64_t rows, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t width,
-                int64_t kpairs, at::BFloat16* y, int64_t ldy, const char* prefetch,
+                int64_t kpairs, out_t* y, int64_t ldy, const char* prefetch,
                 int64_t lines) {
   switch (rows) {
-    case 1: slice<1, NB>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
-    case 2: slice<2, NB>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
-    case 3: slice<3, NB>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
-    case 4: slice<4, NB>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
-    case 5: slice<5, NB>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
-    default: slice<6, NB>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
+    case 1: slice<1, NB, out_t>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
+    case 2: slice<2, NB, out_t>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
+    case 3: slice<3, NB, out_t>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
+    case 4: slice<4, NB, out_t>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
+    case 5: slice<5, NB, out_t>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
+    default: slice<6, NB, out_t>(a, lda, b, width, kpairs, y, ldy, prefetch, lines); break;
   }
 }
 
 // All M rows against column tile t; the next tile (if this thread has one) is prefetched.
+template <typename out_t>
 void tile(const uint32_t* x, int64_t M, int64_t K, const uint32_t* packed, int64_t N, int64_t t,
-          bool prefetch_next, at::BFloat16* y) {
+          bool prefetch_next, out_t* y) {
   const int64_t kpairs = K / 2;
   const int64_t col = t * kTileCols;
   const int64_t width = std::min(kTileCols, N - col);
@@ -101,13 +102,13 @@ void tile(const uint32_t* x, int64_t M, int64_t K, const uint32_t* packed, int64
     const int64_t begin = std::min(next_lines, s * share);
     const int64_t lines = std::min(next_lines, begin + share) - begin;
     const uint32_t* a = x + m0 * kpairs;
-    at::BFloat16* out = y + m0 * N + col;
+    out_t* out = y + m0 * N + col;
     const char* pf = next + begin * 64;
     switch (width / 16) {
-      case 1: slice_rows<1>(rows, a, kpairs, b, width, kpairs, out, N, pf, lines); break;
-      case 2: slice_rows<2>(rows, a, kpairs, b, width, kpairs, out, N, pf, lines); break;
-      case 3: slice_rows<3>(rows, a, kpairs, b, width, kpairs, out, N, pf, lines); break;
-      default: slice_rows<4>(rows, a, kpairs, b, width, kpairs, out, N, pf, lines); break;
+      case 1: slice_rows<1, out_t>(rows, a, kpairs, b, width, kpairs, out, N, pf, lines); break;
+      case 2: slice_rows<2, out_t>(rows, a, kpairs, b, width, kpairs, out, N, pf, lines); break;
+      case 3: slice_rows<3, out_t>(rows, a, kpairs, b, width, kpairs, out, N, pf, lines); break;
+      default: slice_rows<4, out_t>(rows, a, kpairs, b, width, kpairs, out, N, pf, lines); break;
     }
   }
 }
@@ -145,7 +146,10 @@ at::Tensor bf16_pack_pairs(const at::Tensor& weight_in) {
   return packed;
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+// float32_out: the float32 sums as they are (the output layer's logits: rounded to
+// bfloat16 they tie often, and greedy argmax then takes the lowest tied id).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       bool float32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous bfloat16 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1);
@@ -153,16 +157,22 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N)
                   K % 2 == 0 && N % 16 == 0 && packed.numel() == N * K / 2,
               "packed has ", packed.numel(), " pairs; [", N, ", ", K, "] needs ", N * K / 2,
               " (from bf16_pack_pairs)");
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
 #if defined(__AVX512BF16__)
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
-  auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t tiles = (N + kTileCols - 1) / kTileCols;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) tile(xp, M, K, wp, N, t, t + 1 < end, yp);
-  });
+  auto run = [&](auto* yp) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) tile(xp, M, K, wp, N, t, t + 1 < end, yp);
+    });
+  };
+  if (float32_out) {
+    run(y.data_ptr<float>());
+  } else {
+    run(y.data_ptr<at::BFloat16>());
+  }
 #else
   TORCH_CHECK(false, "bf16_linear needs AVX512-BF16; use oneDNN on this CPU");
 #endif
@@ -174,7 +184,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N)
 TORCH_LIBRARY_FRAGMENT(inflight, m) {
   m.def("bf16_pack_pairs(Tensor weight) -> Tensor");
   m.impl("bf16_pack_pairs", c10::DispatchKey::CPU, &bf16_pack_pairs);
-  m.def("bf16_linear(Tensor x, Tensor packed, int N) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, int N, bool float32_out=False) -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, &bf16_linear);
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);
 }
