@@ -128,26 +128,30 @@ def test_paged_attention_matches_dense(backend, kv_dtype, block_size, seed):
         offset += new
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_lone_decode_token_split_over_threads(kv_dtype):
-    """One sequence decoding alone (fewer sequences than threads): the kernel splits the
-    token's KV heads between threads; the result must not change."""
+@pytest.fixture
+def two_threads():
+    """The C++ kernel on 2 threads (a lone sequence is then split between them)."""
     if not cpu_kernels.available():
         pytest.skip("the C++ kernel could not be built here")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        step, q, k_new, v_new, k_cache, v_cache, scales, per_seq = make_step(
-            7, kv_dtype, 16, shapes=[(70, 1)]
-        )
-        k_scale, v_scale = scales if scales is not None else (None, None)
-        inputs = build_model_inputs(step, 16, torch.device("cpu"), **BACKENDS["cpp-decode"])
-        write_kv(k_cache, v_cache, k_new, v_new, inputs.attention, k_scale, v_scale)
-        out = paged_attention(
-            q, k_new, v_new, k_cache, v_cache, inputs.attention, HEAD_DIM**-0.5, k_scale, v_scale
-        )
-    finally:
-        torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_lone_decode_token_split_over_threads(kv_dtype, two_threads):
+    """One sequence decoding alone (fewer sequences than threads): the kernel splits the
+    token's KV heads between threads; the result must not change."""
+    step, q, k_new, v_new, k_cache, v_cache, scales, per_seq = make_step(
+        7, kv_dtype, 16, shapes=[(70, 1)]
+    )
+    k_scale, v_scale = scales if scales is not None else (None, None)
+    inputs = build_model_inputs(step, 16, torch.device("cpu"), **BACKENDS["cpp-decode"])
+    write_kv(k_cache, v_cache, k_new, v_new, inputs.attention, k_scale, v_scale)
+    out = paged_attention(
+        q, k_new, v_new, k_cache, v_cache, inputs.attention, HEAD_DIM**-0.5, k_scale, v_scale
+    )
     k_all, v_all, total, _ = per_seq[0]
     expected = dense_reference(
         q, as_stored(k_all, kv_dtype), as_stored(v_all, kv_dtype), total, HEAD_DIM**-0.5
@@ -158,36 +162,29 @@ def test_lone_decode_token_split_over_threads(kv_dtype):
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_lone_decode_token_is_bit_identical_to_its_row_in_a_batch(kv_dtype, q_dtype):
+def test_lone_decode_token_is_bit_identical_to_its_row_in_a_batch(kv_dtype, q_dtype, two_threads):
     """A sequence decoding alone is split over threads by KV head, in a batch each token
     is one work item: its output must be the same bits either way (batch invariance:
     greedy output cannot depend on what else runs in the step)."""
-    if not cpu_kernels.available():
-        pytest.skip("the C++ kernel could not be built here")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        step, q, k_new, v_new, k_cache, v_cache, scales, _ = make_step(
-            11, kv_dtype, 16, shapes=[(70, 1), (45, 1), (90, 1)]
-        )
-        k_scale, v_scale = scales if scales is not None else (None, None)
-        inputs = build_model_inputs(step, 16, torch.device("cpu"), **BACKENDS["cpp-decode"])
-        write_kv(k_cache, v_cache, k_new, v_new, inputs.attention, k_scale, v_scale)
-        decode = inputs.attention.decode
-        q = q.to(q_dtype)
-        batch = cpu_kernels.paged_attention(
-            q, k_cache, v_cache, decode.block_tables, decode.query_start, decode.seq_lens,
+    step, q, k_new, v_new, k_cache, v_cache, scales, _ = make_step(
+        11, kv_dtype, 16, shapes=[(70, 1), (45, 1), (90, 1)]
+    )
+    k_scale, v_scale = scales if scales is not None else (None, None)
+    inputs = build_model_inputs(step, 16, torch.device("cpu"), **BACKENDS["cpp-decode"])
+    write_kv(k_cache, v_cache, k_new, v_new, inputs.attention, k_scale, v_scale)
+    decode = inputs.attention.decode
+    q = q.to(q_dtype)
+    batch = cpu_kernels.paged_attention(
+        q, k_cache, v_cache, decode.block_tables, decode.query_start, decode.seq_lens,
+        HEAD_DIM**-0.5, k_scale, v_scale,
+    )
+    for s in range(3):
+        alone = cpu_kernels.paged_attention(
+            q[s : s + 1], k_cache, v_cache, decode.block_tables[s : s + 1],
+            torch.tensor([0, 1], dtype=torch.int32), decode.seq_lens[s : s + 1],
             HEAD_DIM**-0.5, k_scale, v_scale,
         )
-        for s in range(3):
-            alone = cpu_kernels.paged_attention(
-                q[s : s + 1], k_cache, v_cache, decode.block_tables[s : s + 1],
-                torch.tensor([0, 1], dtype=torch.int32),
-                decode.seq_lens[s : s + 1], HEAD_DIM**-0.5, k_scale, v_scale,
-            )
-            assert torch.equal(alone, batch[s : s + 1]), f"sequence {s}"
-    finally:
-        torch.set_num_threads(threads)
+        assert torch.equal(alone, batch[s : s + 1]), f"sequence {s}"
 
 
 def test_prompt_chunks_are_routed_by_start_and_length():
