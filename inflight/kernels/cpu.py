@@ -104,8 +104,26 @@ def gguf_pack(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 
 def gguf_matmul(x: torch.Tensor, packed: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """``x [M, K] float32 @ W.T`` with W given as :func:`gguf_pack`'s output."""
+    """``x [M, K] float32 @ W.T -> [M, N] float32`` with W given as :func:`gguf_pack`'s
+    output, or as :func:`gguf_pack_bf16_dot`'s with ``ggml_type | GGUF_BF16_DOT``."""
     return torch.ops.inflight.gguf_matmul(x, packed, ggml_type)
+
+
+# Added to a 4-bit ggml type id (Q4_0, Q4_1) for blocks packed by gguf_pack_bf16_dot.
+GGUF_BF16_DOT = 256
+
+
+@cache
+def gguf_bf16_dot_available() -> bool:
+    """Whether this build has the bfloat16-dot GGUF kernel (it needs AVX512-BF16)."""
+    return gguf_matmul_available() and bool(torch.ops.inflight.gguf_bf16_dot_available())
+
+
+def gguf_pack_bf16_dot(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """Q4_0 / Q4_1 blocks ``[N, row_bytes]`` uint8 -> the layout that
+    :func:`gguf_matmul` reads with ``ggml_type | GGUF_BF16_DOT``: each block's 4-bit
+    weights exact, the activations rounded to bfloat16 (csrc/gguf_bf16_dot.cpp)."""
+    return torch.ops.inflight.gguf_pack_bf16_dot(blocks, ggml_type)
 
 
 @cache

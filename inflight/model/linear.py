@@ -14,6 +14,8 @@ from torch import nn
 from inflight.kernels import cpu as cpu_kernels
 from inflight.model.loader import QuantizedWeight
 
+_FOUR_BIT_TYPES = (2, 3)  # ggml's Q4_0 and Q4_1
+
 
 class Linear(nn.Module):
     """``nn.Linear`` without random initialisation: weights always come from a checkpoint.
@@ -41,13 +43,24 @@ class Linear(nn.Module):
         # None) for dynamic W8A8 (see use_int8).
         self.int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
-    def use_blocks(self, blocks: QuantizedWeight | None, max_rows: int) -> None:
+    def use_blocks(
+        self, blocks: QuantizedWeight | None, max_rows: int, bf16_dot: bool = False
+    ) -> None:
+        """Read ``blocks`` for steps of up to ``max_rows`` rows. With ``bf16_dot``, 4-bit
+        blocks (Q4_0, Q4_1) are packed for bfloat16 dot products (exact weights,
+        activations rounded to bfloat16: ``csrc/gguf_bf16_dot.cpp``); Q8_0 blocks and
+        the float32 kernel otherwise."""
         if blocks is not None and tuple(blocks.blocks.shape[:1]) != self.weight.shape[:1]:
             raise ValueError(
                 f"quantised weight has {blocks.blocks.shape[0]} rows, expected "
                 f"{self.weight.shape[0]}"
             )
-        if blocks is not None:
+        if blocks is not None and bf16_dot and blocks.ggml_type in _FOUR_BIT_TYPES:
+            blocks = QuantizedWeight(
+                blocks.ggml_type | cpu_kernels.GGUF_BF16_DOT,
+                cpu_kernels.gguf_pack_bf16_dot(blocks.blocks, blocks.ggml_type),
+            )
+        elif blocks is not None:
             blocks = QuantizedWeight(
                 blocks.ggml_type, cpu_kernels.gguf_pack(blocks.blocks, blocks.ggml_type)
             )

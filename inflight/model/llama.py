@@ -253,10 +253,12 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = True
 
     def use_quantized_weights(
-        self, quantized: Mapping[str, QuantizedWeight], max_rows: int
+        self, quantized: Mapping[str, QuantizedWeight], max_rows: int, bf16_dot: bool = False
     ) -> None:
         """Let batches of up to ``max_rows`` tokens read the GGUF blocks of each linear layer
-        (fused like the dense weights; a fused layer whose parts differ in type stays dense)."""
+        (fused like the dense weights; a fused layer whose parts differ in type stays dense).
+        With ``bf16_dot`` the decoder layers' 4-bit blocks are computed with bfloat16 dot
+        products (see ``Linear.use_blocks``); the output layer keeps float32 activations."""
         self.block_max_rows = max_rows
         embed = "model.embed_tokens.weight"
         head = embed if self.arch.tie_word_embeddings else "lm_head.weight"
@@ -265,17 +267,17 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             layer.self_attn.qkv_proj.use_blocks(
                 _fused_blocks(quantized, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
-                max_rows,
+                max_rows, bf16_dot,
             )
             layer.self_attn.o_proj.use_blocks(
-                _fused_blocks(quantized, [p + "self_attn.o_proj.weight"]), max_rows
+                _fused_blocks(quantized, [p + "self_attn.o_proj.weight"]), max_rows, bf16_dot
             )
             layer.mlp.gate_up_proj.use_blocks(
                 _fused_blocks(quantized, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                max_rows,
+                max_rows, bf16_dot,
             )
             layer.mlp.down_proj.use_blocks(
-                _fused_blocks(quantized, [p + "mlp.down_proj.weight"]), max_rows
+                _fused_blocks(quantized, [p + "mlp.down_proj.weight"]), max_rows, bf16_dot
             )
 
     @torch.no_grad()

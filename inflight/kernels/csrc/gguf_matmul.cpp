@@ -4,7 +4,8 @@
 //   gguf_matmul(x, packed, qtype) -> y    every small step
 //
 //   blocks:  [N, K / 32 * type_size] uint8: row n holds output feature n's GGUF blocks
-//   qtype:   ggml type id: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0
+//   qtype:   ggml type id: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0; plus 256 for 4-bit blocks packed
+//            by gguf_pack_bf16_dot (bfloat16 dot products, csrc/gguf_bf16_dot.cpp)
 //   packed:  [N, K / 32 * packed_size] uint8 (below)
 //   x:       [M, K] float32, contiguous
 //   y:       [M, N] float32
@@ -31,6 +32,8 @@
 // shared by R weight rows. The rows two groups ahead are prefetched: each call streams only
 // a few hundred KB, too little for the hardware prefetcher to reach full speed (this alone
 // halved the time of a pass over the model's weights).
+
+#include "gguf_bf16_dot.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -265,6 +268,19 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
               "blocks must be a contiguous uint8 [N, row_bytes] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   TORCH_CHECK(K % kBlock == 0, "K = ", K, " is not a multiple of the block size 32");
+  if (qtype & inflight_gguf::kBf16DotFlag) {  // packed by gguf_pack_bf16_dot
+    const int64_t base = qtype & ~inflight_gguf::kBf16DotFlag;
+    TORCH_CHECK(base == kQ4_0 || base == kQ4_1, "bfloat16-dot blocks are Q4_0 or Q4_1, not ",
+                base);
+    TORCH_CHECK(blocks.size(1) == inflight_gguf::bf16_dot_row_bytes(K), "packed blocks have ",
+                blocks.size(1), " bytes per row; K = ", K, " needs ",
+                inflight_gguf::bf16_dot_row_bytes(K));
+    auto y = at::empty({M, N}, x.options());
+    TORCH_CHECK(inflight_gguf::bf16_dot_matmul(x.data_ptr<float>(), M, K,
+                                               blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), N),
+                "bfloat16-dot GGUF blocks need AVX512-BF16, which this build lacks");
+    return y;
+  }
   const int64_t row_bytes = K / kBlock * packed_size(qtype);
   TORCH_CHECK(blocks.size(1) == row_bytes, "packed blocks have ", blocks.size(1),
               " bytes per row; K = ", K, " needs ", row_bytes);

@@ -189,6 +189,74 @@ inline void weigh_values(const float* probs, int64_t prob_stride, int64_t num_ke
   for (int j = 0; j < NR; ++j)
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + j * D + c * 16, acc[j * CH + c]);
 }
+#if defined(__AVX512BF16__)
+// weigh_values for bfloat16 values with bfloat16 dot products (vdpbf16ps), for bfloat16
+// queries against a bfloat16 cache: the probabilities are rounded to bfloat16 (relative
+// error at most 2^-9 each, the size of the output's own final rounding to bfloat16) and
+// each instruction takes two tokens: unpacking value rows t and t + 1 word by word puts
+// (v[t][d], v[t+1][d]) side by side, against the broadcast pair (p[t], p[t+1]). Per two
+// tokens and 32 dimensions: two loads, two unpacks and 2 NR dot products, where widening
+// to float32 takes 4 NR FMAs. The unpacks work within 128-bit lanes, so accumulator pair
+// (2c, 2c + 1) holds dimensions 32c + {0-3, 8-11, 16-19, 24-27} and {4-7, ..., 28-31}, put
+// back in order once at the end. D = 32 CH / 2, CH even.
+template <int NR, int CH, typename BlockFn>
+inline void weigh_values_bf16(const float* probs, int64_t prob_stride, int64_t num_keys,
+                              int64_t padded_keys, int64_t block_size, BlockFn block_rows,
+                              int64_t row_stride, float* out, int64_t D) {
+  static_assert(CH % 2 == 0, "32 dimensions per accumulator pair");
+  // The probabilities as bfloat16, row after row: (p[t], p[t+1]) is one 32-bit word for
+  // even t. Keys past num_keys (up to the padded length) have probability 0.
+  thread_local std::vector<uint16_t> pairs;
+  const int64_t width = (padded_keys + 31) / 32 * 32;
+  pairs.resize(NR * width);
+  for (int j = 0; j < NR; ++j) {
+    const float* p = probs + j * prob_stride;
+    for (int64_t t = 0; t < width; t += 32) {
+      const __mmask16 lo = t < padded_keys ? 0xFFFF : 0, hi = t + 16 < padded_keys ? 0xFFFF : 0;
+      const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + t + 16),
+                                                 _mm512_maskz_loadu_ps(lo, p + t));
+      _mm512_storeu_si512(pairs.data() + j * width + t, (__m512i)words);
+    }
+  }
+  __m512 acc[NR * CH];
+  for (int i = 0; i < NR * CH; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t first = 0; first < num_keys; first += block_size) {
+    const at::BFloat16* v = block_rows(first / block_size);
+    const int64_t n = std::min(block_size, num_keys - first);
+    for (int64_t t = 0; t < n; t += 2, v += 2 * row_stride) {
+      __m512i vc[CH];
+      for (int c = 0; c < CH / 2; ++c) {
+        const __m512i r0 = _mm512_loadu_si512(v + c * 32);
+        // the last key of an odd count pairs with zeros (its slot's neighbour is unwritten)
+        const __m512i r1 = t + 1 < n ? _mm512_loadu_si512(v + row_stride + c * 32)
+                                     : _mm512_setzero_si512();
+        vc[2 * c] = _mm512_unpacklo_epi16(r0, r1);
+        vc[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);
+      }
+      for (int j = 0; j < NR; ++j) {
+        uint32_t pair;
+        std::memcpy(&pair, pairs.data() + j * width + first + t, sizeof(pair));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int c = 0; c < CH; ++c)
+          acc[j * CH + c] = _mm512_dpbf16_ps(acc[j * CH + c], (__m512bh)vc[c], pp);
+      }
+    }
+  }
+  // Output dimension i of a 32-dimension chunk: from the first accumulator if i % 8 < 4.
+  static const __m512i first_half = [] {
+    alignas(64) int32_t lanes[16];
+    for (int i = 0; i < 16; ++i) lanes[i] = (i % 8 < 4 ? 0 : 16) + 4 * (i / 8) + i % 4;
+    return _mm512_load_si512(lanes);
+  }();
+  const __m512i second_half = _mm512_add_epi32(first_half, _mm512_set1_epi32(8));
+  for (int j = 0; j < NR; ++j)
+    for (int c = 0; c < CH / 2; ++c) {
+      const __m512 a = acc[j * CH + 2 * c], b = acc[j * CH + 2 * c + 1];
+      _mm512_storeu_ps(out + j * D + c * 32, _mm512_permutex2var_ps(a, first_half, b));
+      _mm512_storeu_ps(out + j * D + c * 32 + 16, _mm512_permutex2var_ps(a, second_half, b));
+    }
+}
+#endif
 #endif
 
 // ---------------------------------------------------------------- one work item
@@ -409,6 +477,25 @@ struct Item {
     }
   }
 
+#if defined(__AVX512F__)
+  // probs rows [NR, padded_keys] @ V into out rows: bfloat16 dot products where the
+  // queries came as bfloat16 (as for the scores), else float32 FMAs.
+  template <int NR, int CH, typename BlockFn>
+  void weigh(const float* p, float* o, BlockFn block_rows, int64_t row_stride) {
+    const int64_t D = shape.head_dim, bs = shape.block_size;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+      if (queries_bf16 != nullptr) {
+        weigh_values_bf16<NR, CH>(p, padded_keys, num_keys, padded_keys, bs, block_rows,
+                                  row_stride, o, D);
+        return;
+      }
+    }
+#endif
+    weigh_values<NR, CH, kv_t>(p, padded_keys, num_keys, bs, block_rows, row_stride, o, D);
+  }
+#endif
+
   void accumulate_values() {
     const int64_t D = shape.head_dim, bs = shape.block_size;
     const int64_t row_stride = shape.num_kv_heads * D;  // V rows of one head within a block
@@ -429,8 +516,7 @@ struct Item {
         const int64_t nr = std::min(per_pass, rows - r);
         const float* p = scores + r * padded_keys;
         float* o = out + r * D;
-#define INFLIGHT_WEIGH(NR, CH) \
-  weigh_values<NR, CH, kv_t>(p, padded_keys, num_keys, bs, block_rows, row_stride, o, D)
+#define INFLIGHT_WEIGH(NR, CH) weigh<NR, CH>(p, o, block_rows, row_stride)
         if (D == 64) {
           switch (nr) {
             case 1: INFLIGHT_WEIGH(1, 4); break;
