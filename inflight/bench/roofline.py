@@ -27,7 +27,7 @@ KERNEL_OPS: dict[str, tuple[str, ...]] = {
     ),
     "linear (dense)": (
         "aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
-        "inflight::bf16_linear",
+        "inflight::bf16_linear", "inflight::amx_linear",
     ),
     "linear (GGUF blocks)": ("inflight::gguf_matmul",),
     "rms_norm": ("inflight::rms_norm",),

@@ -146,6 +146,26 @@ def bf16_linear(
     return torch.ops.inflight.bf16_linear(x, packed, out_features, float32_out)
 
 
+@cache
+def amx_linear_available() -> bool:
+    """Whether this build has the AMX linear (the CPU has AMX tiles and the OS grants them)."""
+    return available() and bool(torch.ops.inflight.amx_linear_available())
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``[N, K]`` weight (N and K multiples of 32) -> the AMX B tiles that
+    :func:`amx_linear` reads (see csrc/amx_linear.cpp)."""
+    return torch.ops.inflight.amx_pack(weight)
+
+
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, float32_out: bool = False
+) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ W.T -> [M, N]`` with AMX tiles, W given as :func:`amx_pack`'s
+    output; bfloat16 out (float32 sums rounded once), or float32 with ``float32_out``."""
+    return torch.ops.inflight.amx_linear(x, packed, out_features, float32_out)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
     add: torch.Tensor | None = None,
@@ -208,6 +228,25 @@ def int8_linear(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first)."""
     return torch.ops.inflight.silu_mul(gate_up)
+
+
+@cache
+def bf16_dots_pay() -> bool:
+    """Whether bfloat16 dot products (vdpbf16ps) outrun float32 FMAs on this CPU, so that
+    paged attention should score bfloat16 queries against a bfloat16 cache with them.
+    Measured once (two 20 ms register-only probes): on the AMD EPYC (Zen 4, Zen 5) they
+    run at twice the float32 FMA rate; on the Intel Xeons this project measured (with and
+    without AMX) at half of it, where the float32 path on the same cache was 1.1x faster
+    (``python -m inflight.bench.decode_attention``). ``INFLIGHT_ATTENTION_DOTS`` =
+    ``bf16`` or ``fp32`` overrides."""
+    forced = os.environ.get("INFLIGHT_ATTENTION_DOTS", "auto")
+    if forced not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"INFLIGHT_ATTENTION_DOTS must be auto, bf16 or fp32, got {forced!r}")
+    if forced != "auto":
+        return forced == "bf16"
+    if not available():
+        return False
+    return peak_gflops("bf16_dot", 0.02) > peak_gflops("fp32_fma", 0.02)
 
 
 def peak_gflops(kind: str, seconds: float) -> float:

@@ -1,7 +1,8 @@
 """The linear layer and the weight forms it computes from, chosen per step by row count.
 
 A ``Linear`` always has its dense weight; on the CPU it may also hold oneDNN's blocked copy
-(bfloat16), bfloat16 pair tiles for ``csrc/bf16_linear.cpp`` (mid-sized steps, no AMX), the
+(bfloat16), bfloat16 pair tiles for ``csrc/bf16_linear.cpp`` (mid-sized steps, no AMX) or AMX
+tiles for ``csrc/amx_linear.cpp`` (mid-sized steps, AMX), the
 GGUF blocks of a quantised checkpoint (small steps) or an int8 copy (``quantization="w8a8"``).
 """
 
@@ -39,6 +40,9 @@ class Linear(nn.Module):
         # use_pair_weight).
         self.pairs: torch.Tensor | None = None
         self.pair_max_rows = 0
+        # The weight as AMX B tiles for steps of up to amx_max_rows rows (see use_amx_weight).
+        self.amx: torch.Tensor | None = None
+        self.amx_max_rows = 0
         # (int8 weight [out, in], float32 scale [out], input column multipliers [in] or
         # None) for dynamic W8A8 (see use_int8).
         self.int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -86,6 +90,32 @@ class Linear(nn.Module):
         self.pairs = cpu_kernels.bf16_pack_pairs(self.weight.detach())
         self.pair_max_rows = max_rows
 
+    def use_amx_weight(self, max_rows: int) -> None:
+        """Also keep a bfloat16 weight as AMX tiles for ``csrc/amx_linear.cpp``: steps of up
+        to ``max_rows`` rows (and more than the GGUF blocks take) then run that kernel
+        instead of oneDNN. A no-op for shapes it does not take (out or in features not a
+        multiple of 32) and for layers with a bias."""
+        out_features, in_features = self.weight.shape
+        if self.bias is not None or out_features % 32 or in_features % 32:
+            return
+        self.amx = cpu_kernels.amx_pack(self.weight.detach())
+        self.amx_max_rows = max_rows
+
+    def _own_kernel(self, x: torch.Tensor, float32_out: bool) -> torch.Tensor | None:
+        """This step through csrc/bf16_linear.cpp or csrc/amx_linear.cpp, where the layer
+        holds their weight form and the step is within its rows; else None."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2:
+            return None
+        if self.pairs is not None and x.shape[0] <= self.pair_max_rows:
+            return cpu_kernels.bf16_linear(
+                x.contiguous(), self.pairs, self.weight.shape[0], float32_out=float32_out
+            )
+        if self.amx is not None and x.shape[0] <= self.amx_max_rows:
+            return cpu_kernels.amx_linear(
+                x.contiguous(), self.amx, self.weight.shape[0], float32_out=float32_out
+            )
+        return None
+
     def use_int8(self, smooth: torch.Tensor | None = None) -> None:
         """Quantise the weight to int8 per output channel (``quantization="w8a8"``, see
         model/w8a8.py): steps that do not read GGUF blocks then run the dynamic W8A8
@@ -100,7 +130,7 @@ class Linear(nn.Module):
             weight = weight * smooth
             smooth_inv = (1.0 / smooth).float().contiguous()
         self.int8 = (*cpu_kernels.int8_quantize_weight(weight), smooth_inv)
-        self.packed = self.pairs = None
+        self.packed = self.pairs = self.amx = None
         # The dense weight is not read again: keep its shape and dtype (FLOP counts, the
         # activation dtype) without its memory (the decoder linears are 4/5 of the model).
         shape, dtype = self.weight.shape, self.weight.dtype
@@ -112,23 +142,16 @@ class Linear(nn.Module):
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` with float32 outputs: for the output layer, whose logits rounded to
         bfloat16 (8 bits of mantissa: steps of 1/16 at a logit of 10) often tie, and greedy
-        argmax then takes the lowest tied id. Unrounded where the bf16 pair kernel takes
-        the step; other paths' outputs are widened (the GGUF blocks' are float32 already)."""
-        if (
-            self.pairs is not None and x.dtype == torch.bfloat16 and x.dim() == 2
-            and x.shape[0] <= self.pair_max_rows
-        ):
-            return cpu_kernels.bf16_linear(
-                x.contiguous(), self.pairs, self.weight.shape[0], float32_out=True
-            )
-        return self(x).float()
+        argmax then takes the lowest tied id. Unrounded where the bf16 pair kernel or the
+        AMX kernel takes the step; other paths' outputs are widened (the GGUF blocks' are
+        float32 already)."""
+        own = self._own_kernel(x, float32_out=True)
+        return own if own is not None else self(x).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.pairs is not None and x.dtype == torch.bfloat16 and x.dim() == 2
-            and x.shape[0] <= self.pair_max_rows
-        ):
-            return cpu_kernels.bf16_linear(x.contiguous(), self.pairs, self.weight.shape[0])
+        own = self._own_kernel(x, float32_out=False)
+        if own is not None:
+            return own
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.blocks is not None and x.shape[0] <= self.block_max_rows:

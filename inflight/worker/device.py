@@ -148,6 +148,29 @@ def pair_matmul_rows() -> int:
     return PAIR_MATMUL_MAX_ROWS
 
 
+# Largest step (tokens) whose bfloat16 linears run csrc/amx_linear.cpp instead of oneDNN, on
+# CPUs with AMX. Measured on the Intel Xeon with AMX (2 cores), one pass over SmolLM2's 120
+# decoder linears, weights from memory, best of 6 alternations: 1.3-1.5x oneDNN at 9-57
+# rows, 1.2-1.3x at 64-128, level at 256, 1.1-1.2x at 512-1024, 0.7-0.85x at 4096
+# (oneDNN's blocking of large steps is better than this kernel's).
+AMX_MATMUL_MAX_ROWS = 1024
+
+
+def amx_matmul_rows() -> int:
+    """Rows up to which bfloat16 linears use the AMX kernel here (0: never)."""
+    from inflight.kernels import cpu
+
+    if os.environ.get("INFLIGHT_BF16_LINEAR", "auto") == "onednn":
+        return 0
+    if "amx_bf16" not in cpu_flags() or not cpu.amx_linear_available():
+        return 0
+    logger.info(
+        "bfloat16 linears of up to %d rows: csrc/amx_linear.cpp (AMX tiles); "
+        "INFLIGHT_BF16_LINEAR=onednn keeps oneDNN", AMX_MATMUL_MAX_ROWS,
+    )
+    return AMX_MATMUL_MAX_ROWS
+
+
 def block_matmul_rows(
     quantization: str | None, quantized: dict[str, QuantizedWeight], device: torch.device,
     dtype: torch.dtype,
@@ -212,12 +235,14 @@ def build_model(
                 setattr(module, name, nn.Parameter(param.to(device, dtype), requires_grad=False))
     model.tie_weights()
     if device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        pair_rows = pair_matmul_rows()
+        pair_rows, amx_rows = pair_matmul_rows(), amx_matmul_rows()
         for module in model.modules():
             if isinstance(module, Linear):
                 module.use_packed_weight()
                 if pair_rows:
                     module.use_pair_weight(pair_rows)
+                if amx_rows:
+                    module.use_amx_weight(amx_rows)
     model.rotary.build(device)  # RoPE tables stay float32
     if device.type == "cpu":
         model.use_fused_decode()  # a no-op unless the layers read GGUF blocks in C++

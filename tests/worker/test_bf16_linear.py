@@ -13,22 +13,12 @@ import torch.nn.functional as F
 
 from inflight.kernels import cpu
 from inflight.model.linear import Linear
+from tests.helpers.bf16_matmul import assert_within_one_ulp, reference
 
 pytestmark = pytest.mark.skipif(
     not cpu.bf16_linear_available(), reason="the bf16 linear kernel needs AVX512-BF16"
 )
 
-
-def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (x.double() @ w.double().T).to(torch.bfloat16)
-
-
-def assert_within_one_ulp(got: torch.Tensor, expected: torch.Tensor) -> None:
-    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
-    # one bfloat16 unit in the last place of the larger magnitude, plus float32 summation
-    ulp = expected.float().abs().clamp_min(1e-3) * 2.0**-7
-    diff = (got.float() - expected.float()).abs()
-    assert (diff <= ulp).all(), f"max error {diff.max().item()} at {diff.argmax().item()}"
 
 
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (80, 96), (960, 576), (576, 1536)])

@@ -259,11 +259,34 @@ def test_kernel_takes_bfloat16_queries_as_their_float32_values():
     torch.testing.assert_close(out16.float(), out32, rtol=2 ** -8, atol=2 ** -9 * v_max)
 
 
+@pytest.fixture(params=["bf16", "fp32"])
+def attention_dots(request, monkeypatch):
+    """Both choices of ``cpu.bf16_dots_pay`` (bfloat16 dot products, or the queries
+    widened to float32 for float32 FMAs), whichever this CPU would take."""
+    monkeypatch.setenv("INFLIGHT_ATTENTION_DOTS", request.param)
+    cpu_kernels.bf16_dots_pay.cache_clear()
+    yield request.param
+    cpu_kernels.bf16_dots_pay.cache_clear()
+
+
+def test_attention_dots_choice_is_named_and_checked(monkeypatch):
+    for value, expected in (("bf16", True), ("fp32", False)):
+        monkeypatch.setenv("INFLIGHT_ATTENTION_DOTS", value)
+        cpu_kernels.bf16_dots_pay.cache_clear()
+        assert cpu_kernels.bf16_dots_pay() is expected
+    monkeypatch.setenv("INFLIGHT_ATTENTION_DOTS", "fast")
+    cpu_kernels.bf16_dots_pay.cache_clear()
+    with pytest.raises(ValueError, match="INFLIGHT_ATTENTION_DOTS"):
+        cpu_kernels.bf16_dots_pay()
+    cpu_kernels.bf16_dots_pay.cache_clear()
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("seed", range(2))
-def test_bfloat16_queries_on_a_bfloat16_cache_match_dense(block_size, seed):
+def test_bfloat16_queries_on_a_bfloat16_cache_match_dense(block_size, seed, attention_dots):
     """The bf16 model's own case: bfloat16 queries and cache (scored with bfloat16 dot
-    products where the CPU has them), blocks of one or several 16-key tiles."""
+    products where the CPU has them and they pay, else in float32), blocks of one or
+    several 16-key tiles."""
     if not cpu_kernels.available():
         pytest.skip("the C++ kernel could not be built here")
     step, q, k_new, v_new, k_cache, v_cache, _, per_seq = make_step(seed, torch.bfloat16, block_size)
