@@ -233,15 +233,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @cache
 def bf16_dots_pay() -> bool:
     """Whether bfloat16 dot products (vdpbf16ps) outrun float32 FMAs on this CPU, so that
-    paged attention should score bfloat16 queries against a bfloat16 cache with them.
+    paged attention scores bfloat16 queries against a bfloat16 cache with them and a
+    bfloat16 model's GGUF 4-bit blocks take them (else both widen to float32).
     Measured once (two 20 ms register-only probes): on the AMD EPYC (Zen 4, Zen 5) they
     run at twice the float32 FMA rate; on the Intel Xeons this project measured (with and
     without AMX) at half of it, where the float32 path on the same cache was 1.1x faster
-    (``python -m inflight.bench.decode_attention``). ``INFLIGHT_ATTENTION_DOTS`` =
+    (``python -m inflight.bench.decode_attention``). ``INFLIGHT_BF16_DOTS`` =
     ``bf16`` or ``fp32`` overrides."""
-    forced = os.environ.get("INFLIGHT_ATTENTION_DOTS", "auto")
+    forced = os.environ.get("INFLIGHT_BF16_DOTS", "auto")
     if forced not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"INFLIGHT_ATTENTION_DOTS must be auto, bf16 or fp32, got {forced!r}")
+        raise ValueError(f"INFLIGHT_BF16_DOTS must be auto, bf16 or fp32, got {forced!r}")
     if forced != "auto":
         return forced == "bf16"
     if not available():

@@ -196,15 +196,17 @@ def gguf_bf16_dot(dtype: torch.dtype, device: torch.device) -> bool:
     products (csrc/gguf_bf16_dot.cpp): for models computed in bfloat16 on CPUs with
     AVX512-BF16. The 4-bit weights stay exact; the activations round to bfloat16, as in
     every larger step's matmuls. ``INFLIGHT_GGUF_KERNEL=float32`` keeps the float32 block
-    kernel. Measured on the AMD EPYC (Zen 4), SmolLM2's 120 decoder linears at one row:
-    see the README's Zen 4 section."""
+    kernel. Only where bfloat16 dot products outrun float32 FMAs (``cpu.bf16_dots_pay``):
+    measured on the AMD EPYC (Zen 4), SmolLM2's 120 decoder linears at one row, see the
+    README's Zen 4 section; on the Intel Xeon with AMX, where they run at half the FMA
+    rate, the float32 kernel made `seed8` 1.09-1.14x faster."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return False
     if os.environ.get("INFLIGHT_GGUF_KERNEL", "auto") == "float32":
         return False
     from inflight.kernels import cpu
 
-    return cpu.gguf_bf16_dot_available()
+    return cpu.gguf_bf16_dot_available() and cpu.bf16_dots_pay()
 
 
 def build_model(

@@ -90,3 +90,18 @@ def test_fused_projections_are_views_of_the_decoded_weights(checkpoint):
             assert fused.data_ptr() == first.data_ptr(), "fused by a copy"
             assert torch.equal(fused, torch.cat([checkpoint.weights[p] for p in parts]))
 
+
+
+def test_bf16_dot_blocks_only_where_bf16_dots_pay(monkeypatch):
+    """The 4-bit blocks of a bfloat16 model use bfloat16 dot products only where they
+    outrun float32 FMAs (``cpu.bf16_dots_pay``; INFLIGHT_BF16_DOTS overrides it)."""
+    if not cpu.gguf_bf16_dot_available():
+        pytest.skip("the bfloat16-dot GGUF kernel needs AVX512-BF16")
+    try:
+        for dots, expected in (("bf16", True), ("fp32", False)):
+            monkeypatch.setenv("INFLIGHT_BF16_DOTS", dots)
+            cpu.bf16_dots_pay.cache_clear()
+            assert gguf_bf16_dot(torch.bfloat16, torch.device("cpu")) is expected
+            assert gguf_bf16_dot(torch.float32, torch.device("cpu")) is False
+    finally:
+        cpu.bf16_dots_pay.cache_clear()

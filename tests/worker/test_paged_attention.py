@@ -263,7 +263,7 @@ def test_kernel_takes_bfloat16_queries_as_their_float32_values():
 def attention_dots(request, monkeypatch):
     """Both choices of ``cpu.bf16_dots_pay`` (bfloat16 dot products, or the queries
     widened to float32 for float32 FMAs), whichever this CPU would take."""
-    monkeypatch.setenv("INFLIGHT_ATTENTION_DOTS", request.param)
+    monkeypatch.setenv("INFLIGHT_BF16_DOTS", request.param)
     cpu_kernels.bf16_dots_pay.cache_clear()
     yield request.param
     cpu_kernels.bf16_dots_pay.cache_clear()
@@ -271,12 +271,12 @@ def attention_dots(request, monkeypatch):
 
 def test_attention_dots_choice_is_named_and_checked(monkeypatch):
     for value, expected in (("bf16", True), ("fp32", False)):
-        monkeypatch.setenv("INFLIGHT_ATTENTION_DOTS", value)
+        monkeypatch.setenv("INFLIGHT_BF16_DOTS", value)
         cpu_kernels.bf16_dots_pay.cache_clear()
         assert cpu_kernels.bf16_dots_pay() is expected
-    monkeypatch.setenv("INFLIGHT_ATTENTION_DOTS", "fast")
+    monkeypatch.setenv("INFLIGHT_BF16_DOTS", "fast")
     cpu_kernels.bf16_dots_pay.cache_clear()
-    with pytest.raises(ValueError, match="INFLIGHT_ATTENTION_DOTS"):
+    with pytest.raises(ValueError, match="INFLIGHT_BF16_DOTS"):
         cpu_kernels.bf16_dots_pay()
     cpu_kernels.bf16_dots_pay.cache_clear()
 
