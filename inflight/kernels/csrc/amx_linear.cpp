@@ -34,12 +34,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define INFLIGHT_AMX 1
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
@@ -49,27 +44,12 @@ constexpr int64_t kPrefetchPairs = 2;  // strip pairs ahead fetched into L2
 
 #if defined(INFLIGHT_AMX)
 
-// Linux lets a process use AMX tile data only after asking (arch_prctl); once per process.
-bool tile_permission() {
-  static const bool granted = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
+using inflight_amx::tile_permission;
 
 // Tiles 0-3: float32 accumulators C[i][j] (16 x 16), 4-5: A (16 rows x 32 bfloat16),
 // 6-7: B (16 pair rows x 16 columns x 2). All 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void load_tile_config() {
-  TileConfig config;
+  inflight_amx::TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
     config.rows[t] = 16;

@@ -1,0 +1,35 @@
+// AMX tile helpers for the kernels that use tiles (amx_linear.cpp). INFLIGHT_AMX is defined where the build targets a CPU with AMX
+// tiles and bfloat16 tile products (the extension is built with -march=native).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define INFLIGHT_AMX 1
+
+namespace inflight_amx {
+
+// Linux lets a process use AMX tile data only after asking (arch_prctl); asked once per
+// process, whichever kernel asks first.
+inline bool tile_permission() {
+  static const bool granted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// The 64-byte tile configuration (palette 1): rows and bytes per row of each tile.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+}  // namespace inflight_amx
+#endif
