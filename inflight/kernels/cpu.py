@@ -80,11 +80,20 @@ def paged_attention(
 
 def prompt_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-    lengths: torch.Tensor, scale: float, out: torch.Tensor,
+    lengths: torch.Tensor, scale: float, out: torch.Tensor, allow_amx: bool = True,
 ) -> None:
     """Causal self-attention of fresh prompt chunks (see csrc/prompt_attention.cpp): rows
-    ``starts[s] : starts[s] + lengths[s]`` of ``out`` get prompt s's attention output."""
-    torch.ops.inflight.prompt_attention(q, k, v, starts, lengths, scale, out)
+    ``starts[s] : starts[s] + lengths[s]`` of ``out`` get prompt s's attention output.
+    ``allow_amx=False`` keeps bfloat16 prompts off the AMX tiles (the AVX512-BF16 path),
+    for tests and benchmarks that compare the two."""
+    torch.ops.inflight.prompt_attention(q, k, v, starts, lengths, scale, out, allow_amx)
+
+
+@cache
+def prompt_attention_amx_available() -> bool:
+    """Whether bfloat16 prompts take AMX tiles: built with AMX, the OS grants tile data, and
+    ``INFLIGHT_AMX`` is not ``0`` (read once, at the first call)."""
+    return available() and bool(torch.ops.inflight.prompt_attention_amx_available())
 
 
 @cache

@@ -19,6 +19,14 @@
 //    is rounded (PyTorch's flash kernel rounds them to bfloat16). On the AMD EPYC (Zen 5)
 //    this project measured, PyTorch's flash SDPA ran these shapes at 50-120 GFLOP/s while
 //    the bfloat16 dot product's peak is ~1000.
+//    With AMX (built with amx_tile and amx_bf16, the OS granting tile data, INFLIGHT_AMX
+//    not "0", read once) the same items run on AMX tiles instead, 16 rows at a time:
+//    S = Q K^T by TDPBF16PS straight from the packed keys (their layout is AMX's B
+//    layout), and P @ V by TDPBF16PS on values packed in pairs along the keys
+//    ([block of 32][D / 16][16][16][2]), each float32 numerator p entering as two
+//    bfloat16 parts, hi = bf16(p) and lo = bf16(p - hi), into the same accumulator
+//    (relative error ~2^-16 per probability; values exact). See `amx_item` for the tiles.
+//    The op's `allow_amx=False` keeps a call on the AVX512-BF16 path (tests, benchmarks).
 //  - otherwise one call of PyTorch's scaled_dot_product_attention per prompt (its CPU
 //    flash kernel) on strided views, so nothing is padded or copied.
 
@@ -35,6 +43,14 @@
 #include <vector>
 
 #include "vec_math.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#define INFLIGHT_PROMPT_AMX 1
+#endif
 
 namespace {
 
@@ -80,12 +96,12 @@ struct Packed {
   int64_t first;   // the prompt's first token in q/k/v/out
   int64_t length;  // its tokens
   uint32_t* keys;    // [ceil(L / 16)][D / 2][16] pairs
-  float* values;     // [L][D] float32 (bfloat16 widened exactly)
+  float* values;     // [L][D] float32 (bfloat16 widened exactly); dot-product path only
+  at::BFloat16* value_pairs;  // [ceil(L / 32)][D / 16][16][16][2]; AMX path only
 };
 
-void pack(const PromptShape& sh, const at::BFloat16* k, const at::BFloat16* v, int64_t kv_head,
-          const Packed& p) {
-  const int64_t D = sh.D, pairs = D / 2, blocks = (p.length + 15) / 16;
+void pack_keys(const PromptShape& sh, const at::BFloat16* k, int64_t kv_head, const Packed& p) {
+  const int64_t pairs = sh.D / 2, blocks = (p.length + 15) / 16;
   for (int64_t b = 0; b < blocks; ++b) {
     uint32_t* dst = p.keys + b * pairs * 16;
     for (int64_t i = 0; i < 16; ++i) {
@@ -98,6 +114,10 @@ void pack(const PromptShape& sh, const at::BFloat16* k, const at::BFloat16* v, i
       for (int64_t dp = 0; dp < pairs; ++dp) dst[dp * 16 + i] = pair_at(row + 2 * dp);
     }
   }
+}
+
+void pack_values(const PromptShape& sh, const at::BFloat16* v, int64_t kv_head, const Packed& p) {
+  const int64_t D = sh.D;
   for (int64_t t = 0; t < p.length; ++t) {
     const at::BFloat16* row = v + (p.first + t) * sh.v_token_stride + kv_head * sh.v_head_stride;
     float* dst = p.values + t * D;
@@ -180,32 +200,401 @@ struct TileItem {
   int32_t prompt, kv_head, q_begin, q_end;
 };
 
+// Row r of an item is (query it.q_begin + r / G, head kv_head * G + r % G).
+inline int64_t token_of(const Packed& p, const TileItem& it, int64_t G, int64_t r) {
+  return p.first + it.q_begin + r / G;
+}
+inline int64_t head_of(const TileItem& it, int64_t G, int64_t r) { return it.kv_head * G + r % G; }
+
+// n elements of v, 64-byte aligned (v grown as needed and reused).
+template <typename T>
+T* aligned(std::vector<T>& v, int64_t n) {
+  v.resize(n + 64 / sizeof(T));
+  const auto address = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<T*>((address + 63) / 64 * 64);
+}
+
+// Per-worker scratch, grown as needed and reused across items.
+struct Scratch {
+  std::vector<float> scores, result, inv_sums;
+  std::vector<const uint32_t*> qrows;
+  std::vector<at::BFloat16> q, hi, lo;  // AMX path
+};
+
+// One item with AVX512-BF16 dot products (scores) and float32 multiply-adds (P @ V).
+void dot_item(const PromptShape& sh, const TileItem& it, const Packed& p,
+              const at::BFloat16* qp, float fscale, at::BFloat16* op, Scratch& s) {
+  const int64_t D = sh.D, pairs = D / 2, G = sh.group;
+  const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
+  const int64_t blocks = (it.q_end + 15) / 16;
+  const int64_t stride = blocks * 16;  // scores per row
+  s.scores.resize(rows * stride);
+  s.result.resize(rows * D);
+  s.inv_sums.resize(rows);
+  s.qrows.resize(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    s.qrows[r] = reinterpret_cast<const uint32_t*>(
+        qp + token_of(p, it, G, r) * sh.q_token_stride + head_of(it, G, r) * sh.q_head_stride);
+  float* sc = s.scores.data();
+  const uint32_t* const* qrows = s.qrows.data();
+  int64_t r = 0;
+  for (; r + 6 <= rows; r += 6)
+    score_rows<6>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride);
+  switch (rows - r) {
+    case 1: score_rows<1>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+    case 2: score_rows<2>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+    case 3: score_rows<3>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+    case 4: score_rows<4>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+    case 5: score_rows<5>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+    default: break;
+  }
+  for (int64_t row = 0; row < rows; ++row)
+    s.inv_sums[row] = softmax_numerators(sc + row * stride, it.q_begin + row / G + 1, stride);
+  // Rows per pass keep NR * CH accumulators in registers (CH = D / 16); each pass runs
+  // to the keys its last row sees (the others' numerators are zero there).
+  for (int64_t row = 0; row < rows;) {
+    const int64_t n = std::min<int64_t>(D == 64 ? 6 : D == 128 ? 3 : 1, rows - row);
+    const int64_t keys = it.q_begin + (row + n - 1) / G + 1;
+    const float* pr = sc + row * stride;
+    float* o = s.result.data() + row * D;
+    if (D == 64) {
+      switch (n) {
+        case 1: weigh_rows<1, 4>(pr, stride, p.values, keys, D, o); break;
+        case 2: weigh_rows<2, 4>(pr, stride, p.values, keys, D, o); break;
+        case 3: weigh_rows<3, 4>(pr, stride, p.values, keys, D, o); break;
+        case 4: weigh_rows<4, 4>(pr, stride, p.values, keys, D, o); break;
+        case 5: weigh_rows<5, 4>(pr, stride, p.values, keys, D, o); break;
+        default: weigh_rows<6, 4>(pr, stride, p.values, keys, D, o); break;
+      }
+    } else if (D == 128) {
+      switch (n) {
+        case 1: weigh_rows<1, 8>(pr, stride, p.values, keys, D, o); break;
+        case 2: weigh_rows<2, 8>(pr, stride, p.values, keys, D, o); break;
+        default: weigh_rows<3, 8>(pr, stride, p.values, keys, D, o); break;
+      }
+    } else {  // D == 32 or 96: one chunk of 16 at a time
+      for (int64_t c = 0; c < D / 16; ++c) weigh_rows<1, 1>(pr, stride, p.values + c * 16, keys, D, o + c * 16);
+    }
+    row += n;
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    at::BFloat16* dst = op + token_of(p, it, G, row) * sh.out_token_stride +
+                        head_of(it, G, row) * sh.out_head_stride;
+    const __m512 inv = _mm512_set1_ps(s.inv_sums[row]);
+    for (int64_t d = 0; d < D; d += 16)
+      store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(s.result.data() + row * D + d), inv));
+  }
+}
+
+#if defined(INFLIGHT_PROMPT_AMX)
+// AMX tiles, all 16 rows x 64 bytes (palette 1):
+//   tiles 0-3  C: float32 accumulators, 16 rows x 16 columns (keys for S, dims for P @ V)
+//   tiles 4-5  A: 16 rows x 32 bfloat16 (queries x dims for S; numerators x keys, hi
+//              and lo, for P @ V)
+//   tiles 6-7  B: 16 pair rows x 16 columns x 2 bfloat16 (the packed keys or values)
+//
+// Value pairs, one (prompt, KV head): tile (kb, c) holds keys 32 kb .. 32 kb + 31 and dims
+// 16 c .. 16 c + 15, pair row i = keys 32 kb + 2 i and + 1, zero past the prompt:
+//   value_pairs[((kb * D / 16 + c) * 16 + i) * 32 + 2 d + j] = V[32 kb + 2 i + j][16 c + d]
+constexpr int64_t kTileElems = 512;  // bfloat16 in one A or B tile (1 KiB)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux grants a process AMX tile data only on request (arch_prctl), once per process;
+// INFLIGHT_AMX=0 keeps the dot-product path (read once).
+bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("INFLIGHT_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// Each thread configures its own tiles (the configuration is per-thread CPU state).
+void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+void pack_value_pairs(const PromptShape& sh, const at::BFloat16* v, int64_t kv_head,
+                      const Packed& p) {
+  const int64_t D = sh.D, chunks = D / 16, blocks = (p.length + 31) / 32;
+  // lane 2 d + j of the result takes dim d of row j (rows: a = first key, b = second)
+  alignas(64) int16_t index[32];
+  for (int d = 0; d < 16; ++d) {
+    index[2 * d] = static_cast<int16_t>(d);
+    index[2 * d + 1] = static_cast<int16_t>(16 + d);
+  }
+  const __m512i interleave = _mm512_load_si512(index);
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t t = 32 * kb + 2 * i;
+      const at::BFloat16* a = v + (p.first + t) * sh.v_token_stride + kv_head * sh.v_head_stride;
+      const at::BFloat16* b = a + sh.v_token_stride;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m256i ra = t < p.length ? _mm256_loadu_si256((const __m256i*)(a + 16 * c))
+                                        : _mm256_setzero_si256();
+        const __m256i rb = t + 1 < p.length ? _mm256_loadu_si256((const __m256i*)(b + 16 * c))
+                                            : _mm256_setzero_si256();
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(ra), rb, 1);
+        at::BFloat16* dst = p.value_pairs + ((kb * chunks + c) * 16 + i) * 32;
+        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+  }
+}
+
+// Raw scores (unscaled) of a 16-row query tile (A, row stride D) against NB key blocks of
+// 16, into scores[16][stride] at the blocks' columns.
+template <int NB>
+inline void amx_scores(const at::BFloat16* qtile, int64_t D, const uint32_t* kblock,
+                       float* scores, int64_t stride) {
+  const int64_t pairs = D / 2;
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  for (int64_t k = 0; k < D / 32; ++k) {
+    _tile_loadd(4, qtile + 32 * k, D * 2);
+    const uint32_t* kb = kblock + k * 16 * 16;  // pair rows 16 k .. 16 k + 15
+    _tile_loadd(6, kb, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB > 1) {
+      _tile_loadd(7, kb + pairs * 16, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(6, kb + 2 * pairs * 16, 64);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if constexpr (NB > 3) {
+      _tile_loadd(7, kb + 3 * pairs * 16, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  _tile_stored(0, scores, stride * 4);
+  if constexpr (NB > 1) _tile_stored(1, scores + 16, stride * 4);
+  if constexpr (NB > 2) _tile_stored(2, scores + 32, stride * 4);
+  if constexpr (NB > 3) _tile_stored(3, scores + 48, stride * 4);
+}
+
+// out[16][16 * NC] (row stride D) = (hi + lo)[16][32 * blocks] @ V for NC dim chunks of 16
+// starting at `vpairs` (the first chunk's tile in key block 0).
+template <int NC>
+inline void amx_weigh(const at::BFloat16* hi, const at::BFloat16* lo, int64_t stride,
+                      const at::BFloat16* vpairs, int64_t blocks, int64_t D, float* out) {
+  const int64_t block_elems = D / 16 * kTileElems;  // one key block's tiles, all chunks
+  _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const at::BFloat16* vb = vpairs + kb * block_elems;
+    _tile_loadd(4, hi + 32 * kb, stride * 2);
+    _tile_loadd(5, lo + 32 * kb, stride * 2);
+    // two chunks per B pair, hi then lo, so no accumulator is used twice in a row
+    _tile_loadd(6, vb, 64);
+    if constexpr (NC > 1) _tile_loadd(7, vb + kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NC > 1) _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(0, 5, 6);
+    if constexpr (NC > 1) _tile_dpbf16ps(1, 5, 7);
+    if constexpr (NC > 2) {
+      _tile_loadd(6, vb + 2 * kTileElems, 64);
+      if constexpr (NC > 3) _tile_loadd(7, vb + 3 * kTileElems, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      if constexpr (NC > 3) _tile_dpbf16ps(3, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NC > 3) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, D * 4);
+  if constexpr (NC > 1) _tile_stored(1, out + 16, D * 4);
+  if constexpr (NC > 2) _tile_stored(2, out + 32, D * 4);
+  if constexpr (NC > 3) _tile_stored(3, out + 48, D * 4);
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                 : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// 2^x for x <= 0 (near 0 up to a rounding), lanes outside `keep` zero: 2^n * 2^f with
+// n = round(x), f = x - n in [-0.5, 0.5] (vreduceps) and 2^f by a degree-5 polynomial
+// (fitted to relative error 1.1e-7, as vec_math's exp512); x is clamped at -126, so -inf
+// gives 2^-126 where kept, not NaN.
+inline __m512 exp2_lanes(__m512 x, __mmask16 keep) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps(x, f);
+  __m512 p = _mm512_set1_ps(1.3218677e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6717076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5508930e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022238e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314688e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+// p rounded to bfloat16 (to nearest, ties away from zero), still in float32: exact in
+// bfloat16, and p - it is exact in float32.
+inline __m512 bf16_part(__m512 p) {
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_set1_epi32(0x8000));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF0000u)));
+}
+
+// One row of raw scores over its first `visible` keys -> the numerators
+// p = exp(scale * (s - max)) as hi = bf16(p) and lo = bf16(p - hi), zero from `visible` to
+// `width` (a multiple of 32); returns 1 / the sum of the float32 numerators. One pass for
+// the max, one for the rest (the row, 4 KiB per 1024 keys, is in L1 for the second).
+float split_numerators(const float* row, int64_t visible, int64_t width, float scale,
+                       at::BFloat16* hi, at::BFloat16* lo) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t full = visible / 16 * 16;
+  const __mmask16 tail = first_lanes(visible - full);
+  __m512 mx = _mm512_mask_loadu_ps(neg_inf, tail, row + full);
+  for (int64_t t = 0; t < full; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+  // exp(scale * (s - max)) = 2^(s * c - max * c), c = scale * log2(e)
+  const float c = scale * 1.44269504088896341f;
+  const __m512 vc = _mm512_set1_ps(c);
+  const __m512 mc = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * c);
+  __m512 sum = _mm512_setzero_ps();
+  const int64_t live = (visible + 31) / 32 * 32;
+  for (int64_t t = 0; t < live; t += 32) {
+    const __mmask16 k0 = first_lanes(visible - t), k1 = first_lanes(visible - t - 16);
+    const __m512 e0 = exp2_lanes(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k0, row + t), vc, mc), k0);
+    const __m512 e1 =
+        exp2_lanes(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k1, row + t + 16), vc, mc), k1);
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    const __m512 h0 = bf16_part(e0), h1 = bf16_part(e1);
+    _mm512_storeu_si512(hi + t, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+    _mm512_storeu_si512(lo + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(e1, h1),
+                                                             _mm512_sub_ps(e0, h0)));
+  }
+  for (int64_t t = live; t < width; t += 32) {
+    _mm512_storeu_si512(hi + t, _mm512_setzero_si512());
+    _mm512_storeu_si512(lo + t, _mm512_setzero_si512());
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// One item on AMX tiles, 16 of its rows at a time (rows past the item are zero queries
+// whose outputs are dropped): scores against the keys the tile's last row sees, the
+// numerators split in two bfloat16 parts, P @ V in 4 chunks of 16 dims at a time.
+void amx_item(const PromptShape& sh, const TileItem& it, const Packed& p,
+              const at::BFloat16* qp, float fscale, at::BFloat16* op, Scratch& s) {
+  const int64_t D = sh.D, pairs = D / 2, G = sh.group, chunks = D / 16;
+  const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
+  // Rows of scores and numerators one cache line longer than a power of two's multiple,
+  // so a tile's 16 rows do not all fall into the same L1 sets.
+  const int64_t max_width = (it.q_end + 31) / 32 * 32;
+  at::BFloat16* qt = aligned(s.q, 16 * D);
+  float* sc = aligned(s.scores, 16 * (max_width + 16));
+  at::BFloat16* hi = aligned(s.hi, 16 * (max_width + 32));
+  at::BFloat16* lo = aligned(s.lo, 16 * (max_width + 32));
+  float* result = aligned(s.result, 16 * D);
+  float inv_sums[16];
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - r0);
+    for (int64_t r = 0; r < 16; ++r) {
+      if (r < n) {
+        const at::BFloat16* src = qp + token_of(p, it, G, r0 + r) * sh.q_token_stride +
+                                  head_of(it, G, r0 + r) * sh.q_head_stride;
+        std::memcpy(qt + r * D, src, D * sizeof(at::BFloat16));
+      } else {
+        std::memset(qt + r * D, 0, D * sizeof(at::BFloat16));
+      }
+    }
+    const int64_t keys = it.q_begin + (r0 + n - 1) / G + 1;  // what the last row sees
+    const int64_t blocks = (keys + 15) / 16, width = (keys + 31) / 32 * 32;
+    const int64_t ld = width + 16, ldp = width + 32;  // scores', numerators' row strides
+    int64_t b = 0;
+    for (; b + 4 <= blocks; b += 4)
+      amx_scores<4>(qt, D, p.keys + b * pairs * 16, sc + b * 16, ld);
+    switch (blocks - b) {
+      case 1: amx_scores<1>(qt, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
+      case 2: amx_scores<2>(qt, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
+      case 3: amx_scores<3>(qt, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
+      default: break;
+    }
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t visible = r < n ? it.q_begin + (r0 + r) / G + 1 : 0;
+      inv_sums[r] = split_numerators(sc + r * ld, visible, width, fscale, hi + r * ldp,
+                                     lo + r * ldp);
+    }
+    for (int64_t c = 0; c < chunks; c += 4) {
+      const at::BFloat16* vp = p.value_pairs + c * kTileElems;
+      switch (std::min<int64_t>(4, chunks - c)) {
+        case 1: amx_weigh<1>(hi, lo, ldp, vp, width / 32, D, result + c * 16); break;
+        case 2: amx_weigh<2>(hi, lo, ldp, vp, width / 32, D, result + c * 16); break;
+        case 3: amx_weigh<3>(hi, lo, ldp, vp, width / 32, D, result + c * 16); break;
+        default: amx_weigh<4>(hi, lo, ldp, vp, width / 32, D, result + c * 16); break;
+      }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      at::BFloat16* dst = op + token_of(p, it, G, r0 + r) * sh.out_token_stride +
+                          head_of(it, G, r0 + r) * sh.out_head_stride;
+      const __m512 inv = _mm512_set1_ps(inv_sums[r]);
+      for (int64_t d = 0; d < D; d += 16)
+        store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(result + r * D + d), inv));
+    }
+  }
+}
+#endif  // INFLIGHT_PROMPT_AMX
+
+bool use_amx(bool allow_amx) {
+#if defined(INFLIGHT_PROMPT_AMX)
+  return allow_amx && amx_ready();
+#else
+  (void)allow_amx;
+  return false;
+#endif
+}
+
 void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const int64_t* fp, const int64_t* cp, int64_t num_prompts,
-                           double scale, at::Tensor& out) {
+                           double scale, bool amx, at::Tensor& out) {
   const PromptShape sh{q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2),
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                        v.stride(0), v.stride(1), out.stride(0), out.stride(1)};
-  const int64_t D = sh.D, pairs = D / 2, KVH = sh.kv_heads, G = sh.group;
+  const int64_t D = sh.D, pairs = D / 2, KVH = sh.kv_heads;
 
-  // Scratch for every (prompt, KV head)'s packed keys and values.
+  // Scratch for every (prompt, KV head)'s packed keys and values (float32 values for the
+  // dot-product path, bfloat16 pairs padded to 32 keys for AMX).
   std::vector<Packed> packed(num_prompts * KVH);
-  int64_t key_words = 0, value_words = 0;
+  int64_t key_words = 0, value_words = 0, value_pair_elems = 0;
   for (int64_t s = 0; s < num_prompts; ++s) {
     key_words += (cp[s] + 15) / 16 * 16 * pairs * KVH;
-    value_words += cp[s] * D * KVH;
+    if (amx) value_pair_elems += (cp[s] + 31) / 32 * 32 * D * KVH;
+    else value_words += cp[s] * D * KVH;
   }
   std::vector<uint32_t> key_buf(key_words);
   std::vector<float> value_buf(value_words);
+  std::vector<at::BFloat16> value_pair_buf(value_pair_elems);
   std::vector<TileItem> items;
   std::vector<int64_t> costs;
   {
-    int64_t ko = 0, vo = 0;
+    int64_t ko = 0, vo = 0, po = 0;
     for (int64_t s = 0; s < num_prompts; ++s) {
       for (int64_t h = 0; h < KVH; ++h) {
-        packed[s * KVH + h] = {fp[s], cp[s], key_buf.data() + ko, value_buf.data() + vo};
+        packed[s * KVH + h] = {fp[s], cp[s], key_buf.data() + ko,
+                               amx ? nullptr : value_buf.data() + vo,
+                               amx ? value_pair_buf.data() + po : nullptr};
         ko += (cp[s] + 15) / 16 * 16 * pairs;
-        vo += cp[s] * D;
+        if (amx) po += (cp[s] + 31) / 32 * 32 * D;
+        else vo += cp[s] * D;
         for (int64_t b = 0; b < cp[s]; b += kTile) {
           const int64_t e = std::min(cp[s], b + kTile);
           items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
@@ -218,7 +607,16 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const auto* kp = k.data_ptr<at::BFloat16>();
   const auto* vp = v.data_ptr<at::BFloat16>();
   at::parallel_for(0, num_prompts * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pack(sh, kp, vp, i % KVH, packed[i]);
+    for (int64_t i = begin; i < end; ++i) {
+      pack_keys(sh, kp, i % KVH, packed[i]);
+#if defined(INFLIGHT_PROMPT_AMX)
+      if (amx) {
+        pack_value_pairs(sh, vp, i % KVH, packed[i]);
+        continue;
+      }
+#endif
+      pack_values(sh, vp, i % KVH, packed[i]);
+    }
   });
 
   // Dearest items first, handed out one by one (long prompts' late tiles cost the most).
@@ -234,79 +632,35 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, result, inv_sums;
-    std::vector<const uint32_t*> qrows;
+    Scratch scratch;
+#if defined(INFLIGHT_PROMPT_AMX)
+    if (amx) {
+      load_tile_config();
+      for (int64_t w = next++; w < num_items; w = next++) {
+        const TileItem& it = items[order[w]];
+        amx_item(sh, it, packed[it.prompt * KVH + it.kv_head], qp, fscale, op, scratch);
+      }
+      _tile_release();
+      return;
+    }
+#endif
     for (int64_t w = next++; w < num_items; w = next++) {
-      const TileItem it = items[order[w]];
-      const Packed& p = packed[it.prompt * KVH + it.kv_head];
-      const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
-      const int64_t blocks = (it.q_end + 15) / 16;
-      const int64_t stride = blocks * 16;  // scores per row
-      scores.resize(rows * stride);
-      result.resize(rows * D);
-      inv_sums.resize(rows);
-      qrows.resize(rows);
-      // row r = (query it.q_begin + r / G, head kv_head * G + r % G)
-      auto token_of = [&](int64_t r) { return p.first + it.q_begin + r / G; };
-      auto head_of = [&](int64_t r) { return it.kv_head * G + r % G; };
-      for (int64_t r = 0; r < rows; ++r)
-        qrows[r] = reinterpret_cast<const uint32_t*>(
-            qp + token_of(r) * sh.q_token_stride + head_of(r) * sh.q_head_stride);
-      float* sc = scores.data();
-      int64_t r = 0;
-      for (; r + 6 <= rows; r += 6)
-        score_rows<6>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride);
-      switch (rows - r) {
-        case 1: score_rows<1>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-        case 2: score_rows<2>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-        case 3: score_rows<3>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-        case 4: score_rows<4>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-        case 5: score_rows<5>(qrows.data() + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-        default: break;
-      }
-      for (int64_t row = 0; row < rows; ++row)
-        inv_sums[row] = softmax_numerators(sc + row * stride, it.q_begin + row / G + 1, stride);
-      // Rows per pass keep NR * CH accumulators in registers (CH = D / 16); each pass runs
-      // to the keys its last row sees (the others' numerators are zero there).
-      for (int64_t row = 0; row < rows;) {
-        const int64_t n = std::min<int64_t>(D == 64 ? 6 : D == 128 ? 3 : 1, rows - row);
-        const int64_t keys = it.q_begin + (row + n - 1) / G + 1;
-        const float* pr = sc + row * stride;
-        float* o = result.data() + row * D;
-        if (D == 64) {
-          switch (n) {
-            case 1: weigh_rows<1, 4>(pr, stride, p.values, keys, D, o); break;
-            case 2: weigh_rows<2, 4>(pr, stride, p.values, keys, D, o); break;
-            case 3: weigh_rows<3, 4>(pr, stride, p.values, keys, D, o); break;
-            case 4: weigh_rows<4, 4>(pr, stride, p.values, keys, D, o); break;
-            case 5: weigh_rows<5, 4>(pr, stride, p.values, keys, D, o); break;
-            default: weigh_rows<6, 4>(pr, stride, p.values, keys, D, o); break;
-          }
-        } else if (D == 128) {
-          switch (n) {
-            case 1: weigh_rows<1, 8>(pr, stride, p.values, keys, D, o); break;
-            case 2: weigh_rows<2, 8>(pr, stride, p.values, keys, D, o); break;
-            default: weigh_rows<3, 8>(pr, stride, p.values, keys, D, o); break;
-          }
-        } else {  // D == 32 or 96: one chunk of 16 at a time
-          for (int64_t c = 0; c < D / 16; ++c) weigh_rows<1, 1>(pr, stride, p.values + c * 16, keys, D, o + c * 16);
-        }
-        row += n;
-      }
-      for (int64_t row = 0; row < rows; ++row) {
-        at::BFloat16* dst = op + token_of(row) * sh.out_token_stride + head_of(row) * sh.out_head_stride;
-        const __m512 inv = _mm512_set1_ps(inv_sums[row]);
-        for (int64_t d = 0; d < D; d += 16)
-          store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(result.data() + row * D + d), inv));
-      }
+      const TileItem& it = items[order[w]];
+      dot_item(sh, it, packed[it.prompt * KVH + it.kv_head], qp, fscale, op, scratch);
     }
   });
 }
 #endif
 
+#if defined(INFLIGHT_PROMPT_AMX)
+bool prompt_attention_amx_available() { return amx_ready(); }
+#else
+bool prompt_attention_amx_available() { return false; }
+#endif
+
 void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& starts, const at::Tensor& lengths, double scale,
-                      at::Tensor& out) {
+                      at::Tensor& out, bool allow_amx) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
               "q/out must be [T, H, D] and k, v [T, KVH, D]");
   TORCH_CHECK(k.size(0) == q.size(0) && v.sizes() == k.sizes() && k.size(2) == q.size(2) &&
@@ -329,7 +683,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const bool rows_contiguous = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
                                out.stride(2) == 1;
   if (bf16 && rows_contiguous && q.size(2) % 32 == 0) {
-    bf16_prompt_attention(q, k, v, fp, cp, num_prompts, scale, out);
+    bf16_prompt_attention(q, k, v, fp, cp, num_prompts, scale, use_amx(allow_amx), out);
     return;
   }
 #endif
@@ -341,6 +695,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(inflight, m) {
   m.def(
       "prompt_attention(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lengths, "
-      "float scale, Tensor(a!) out) -> ()");
+      "float scale, Tensor(a!) out, bool allow_amx=True) -> ()");
   m.impl("prompt_attention", c10::DispatchKey::CPU, &prompt_attention);
+  m.def("prompt_attention_amx_available() -> bool", &prompt_attention_amx_available);
 }
