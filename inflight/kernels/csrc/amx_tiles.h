@@ -1,6 +1,6 @@
-// AMX tile helpers for the kernels that use tiles (amx_linear.cpp). INFLIGHT_AMX is
-// defined where the build targets a CPU with AMX tiles and bfloat16 tile products (the
-// extension is built with -march=native).
+// AMX tile helpers for the kernels that use tiles (amx_linear.cpp, prompt_attention.cpp).
+// INFLIGHT_AMX is defined where the build targets a CPU with AMX tiles and bfloat16 tile
+// products (the extension is built with -march=native).
 #pragma once
 
 #include <cstdint>

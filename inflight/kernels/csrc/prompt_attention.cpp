@@ -44,10 +44,8 @@
 
 #include "vec_math.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx_tiles.h"
+#if defined(INFLIGHT_AMX)
 #include <cstdlib>
 #define INFLIGHT_PROMPT_AMX 1
 #endif
@@ -298,13 +296,7 @@ void dot_item(const PromptShape& sh, const TileItem& it, const Packed& p,
 //   value_pairs[((kb * D / 16 + c) * 16 + i) * 32 + 2 d + j] = V[32 kb + 2 i + j][16 c + d]
 constexpr int64_t kTileElems = 512;  // bfloat16 in one A or B tile (1 KiB)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using inflight_amx::TileConfig;
 
 // Linux grants a process AMX tile data only on request (arch_prctl), once per process;
 // INFLIGHT_AMX=0 keeps the dot-product path (read once).
@@ -312,8 +304,7 @@ bool amx_ready() {
   static const bool ready = [] {
     const char* env = std::getenv("INFLIGHT_AMX");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    return inflight_amx::tile_permission();
   }();
   return ready;
 }
