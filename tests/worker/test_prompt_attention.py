@@ -183,3 +183,24 @@ def test_bfloat16_prompts_round_the_float64_attention(heads, kv_heads, head_dim,
         off += (got != expected.to(torch.bfloat16).double()).sum().item()
         count += got.numel()
     assert off / count < 0.01
+
+
+@pytest.mark.parametrize("amx", AMX)
+def test_sharp_softmaxes_keep_their_accuracy(amx):
+    """Queries 30x larger: scores spread over hundreds, most numerators far below their
+    row's largest (the AMX path clamps the exponent at 2^-100): still the rounded float64
+    attention, and nothing overflows or turns NaN."""
+    torch.manual_seed(4)
+    lengths = [300, 77]
+    q = (torch.randn(sum(lengths), 9, 64) * 30).to(torch.bfloat16)
+    k = torch.randn(sum(lengths), 3, 64).to(torch.bfloat16)
+    v = torch.randn(sum(lengths), 3, 64).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    starts = torch.tensor([0, lengths[0]])
+    cpu_kernels.prompt_attention(q, k, v, starts, torch.tensor(lengths), 0.125, out, allow_amx=amx)
+    assert torch.isfinite(out).all()
+    for start, length in zip(starts.tolist(), lengths, strict=True):
+        expected = float64_reference(q, k, v, start, length, 0.125)
+        got = out[start : start + length].double()
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-12)
+        assert (got != expected.to(torch.bfloat16).double()).double().mean() < 0.01

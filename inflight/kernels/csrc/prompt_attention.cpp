@@ -72,13 +72,6 @@ void sdpa_per_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 #if defined(__AVX512BF16__)
 constexpr int64_t kTile = 16;  // query tokens per work item; keys come in blocks of 16
 
-// One bfloat16 pair (two adjacent elements) as the 32-bit lane vdpbf16ps broadcasts.
-inline uint32_t pair_at(const at::BFloat16* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return bits;
-}
-
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
@@ -98,18 +91,47 @@ struct Packed {
   at::BFloat16* value_pairs;  // [ceil(L / 32)][D / 16][16][16][2]; AMX path only
 };
 
+// out[j][i] = rows[i][j] for a 16 x 16 block of 32-bit lanes: pairs within 128-bit lanes,
+// then quads, then the 128-bit lanes themselves (64 shuffles).
+inline void transpose16(const __m512i (&rows)[16], __m512i (&out)[16]) {
+  __m512i a[16], b[16];
+  for (int k = 0; k < 8; ++k) {
+    a[2 * k] = _mm512_unpacklo_epi32(rows[2 * k], rows[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_epi32(rows[2 * k], rows[2 * k + 1]);
+  }
+  // b[4 k + c], 128-bit lane l: rows 4 k .. 4 k + 3 of column 4 l + c
+  for (int k = 0; k < 4; ++k) {
+    b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+    b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes
+    const __m512i s0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44);
+    const __m512i s1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+    const __m512i s3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    out[c] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    out[4 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    out[8 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    out[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// Keys [block of 16][D / 2][16] pairs: 16 x 16 transposes of 16 keys' rows of 16 pairs.
 void pack_keys(const PromptShape& sh, const at::BFloat16* k, int64_t kv_head, const Packed& p) {
   const int64_t pairs = sh.D / 2, blocks = (p.length + 15) / 16;
+  __m512i rows[16], cols[16];
   for (int64_t b = 0; b < blocks; ++b) {
     uint32_t* dst = p.keys + b * pairs * 16;
-    for (int64_t i = 0; i < 16; ++i) {
-      const int64_t t = b * 16 + i;
-      if (t >= p.length) {
-        for (int64_t dp = 0; dp < pairs; ++dp) dst[dp * 16 + i] = 0;
-        continue;
+    for (int64_t dp = 0; dp < pairs; dp += 16) {
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t t = b * 16 + i;
+        const at::BFloat16* row = k + (p.first + t) * sh.k_token_stride + kv_head * sh.k_head_stride;
+        rows[i] = t < p.length ? _mm512_loadu_si512(row + 2 * dp) : _mm512_setzero_si512();
       }
-      const at::BFloat16* row = k + (p.first + t) * sh.k_token_stride + kv_head * sh.k_head_stride;
-      for (int64_t dp = 0; dp < pairs; ++dp) dst[dp * 16 + i] = pair_at(row + 2 * dp);
+      transpose16(rows, cols);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (dp + j) * 16, cols[j]);
     }
   }
 }
@@ -424,10 +446,11 @@ inline __mmask16 first_lanes(int64_t n) {
 
 // 2^x for x <= 0 (near 0 up to a rounding), lanes outside `keep` zero: 2^n * 2^f with
 // n = round(x), f = x - n in [-0.5, 0.5] (vreduceps) and 2^f by a degree-5 polynomial
-// (fitted to relative error 1.1e-7, as vec_math's exp512); x is clamped at -126, so -inf
-// gives 2^-126 where kept, not NaN.
+// (fitted to relative error 1.1e-7, as vec_math's exp512). x is clamped at -100: a
+// numerator below 2^-100 of the row's largest changes nothing, and no result or lo part
+// is subnormal (whose arithmetic can take microcode assists).
 inline __m512 exp2_lanes(__m512 x, __mmask16 keep) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 n = _mm512_sub_ps(x, f);
   __m512 p = _mm512_set1_ps(1.3218677e-3f);
@@ -481,9 +504,10 @@ float split_numerators(const float* row, int64_t visible, int64_t width, float s
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
-// One item on AMX tiles, 16 of its rows at a time (rows past the item are zero queries
-// whose outputs are dropped): scores against the keys the tile's last row sees, the
-// numerators split in two bfloat16 parts, P @ V in 4 chunks of 16 dims at a time.
+// One item on AMX tiles, 16 of its rows at a time (a last tile's rows past the item are
+// zero queries, their numerators zero and their outputs dropped): scores
+// against the keys the tile's last row sees, the numerators split in two bfloat16 parts,
+// P @ V in 4 chunks of 16 dims at a time.
 void amx_item(const PromptShape& sh, const TileItem& it, const Packed& p,
               const at::BFloat16* qp, float fscale, at::BFloat16* op, Scratch& s) {
   const int64_t D = sh.D, pairs = D / 2, G = sh.group, chunks = D / 16;
@@ -491,7 +515,7 @@ void amx_item(const PromptShape& sh, const TileItem& it, const Packed& p,
   // Rows of scores and numerators one cache line longer than a power of two's multiple,
   // so a tile's 16 rows do not all fall into the same L1 sets.
   const int64_t max_width = (it.q_end + 31) / 32 * 32;
-  at::BFloat16* qt = aligned(s.q, 16 * D);
+  at::BFloat16* qt = aligned(s.q, 16 * D);  // the tile's queries, gathered
   float* sc = aligned(s.scores, 16 * (max_width + 16));
   at::BFloat16* hi = aligned(s.hi, 16 * (max_width + 32));
   at::BFloat16* lo = aligned(s.lo, 16 * (max_width + 32));
@@ -503,9 +527,10 @@ void amx_item(const PromptShape& sh, const TileItem& it, const Packed& p,
       if (r < n) {
         const at::BFloat16* src = qp + token_of(p, it, G, r0 + r) * sh.q_token_stride +
                                   head_of(it, G, r0 + r) * sh.q_head_stride;
-        std::memcpy(qt + r * D, src, D * sizeof(at::BFloat16));
+        for (int64_t d = 0; d < D; d += 32)
+          _mm512_store_si512(qt + r * D + d, _mm512_loadu_si512(src + d));
       } else {
-        std::memset(qt + r * D, 0, D * sizeof(at::BFloat16));
+        for (int64_t d = 0; d < D; d += 32) _mm512_store_si512(qt + r * D + d, _mm512_setzero_si512());
       }
     }
     const int64_t keys = it.q_begin + (r0 + n - 1) / G + 1;  // what the last row sees
@@ -571,18 +596,22 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     if (amx) value_pair_elems += (cp[s] + 31) / 32 * 32 * D * KVH;
     else value_words += cp[s] * D * KVH;
   }
-  std::vector<uint32_t> key_buf(key_words);
-  std::vector<float> value_buf(value_words);
-  std::vector<at::BFloat16> value_pair_buf(value_pair_elems);
+  // Uninitialised (the packing writes every element, padding included).
+  const auto bytes = [](int64_t n) { return at::empty({n}, at::TensorOptions().dtype(at::kByte)); };
+  const at::Tensor key_buf = bytes(key_words * 4), value_buf = bytes(value_words * 4),
+                   value_pair_buf = bytes(value_pair_elems * 2);
+  auto* key_words_at = reinterpret_cast<uint32_t*>(key_buf.data_ptr());
+  auto* values_at = reinterpret_cast<float*>(value_buf.data_ptr());
+  auto* value_pairs_at = reinterpret_cast<at::BFloat16*>(value_pair_buf.data_ptr());
   std::vector<TileItem> items;
   std::vector<int64_t> costs;
   {
     int64_t ko = 0, vo = 0, po = 0;
     for (int64_t s = 0; s < num_prompts; ++s) {
       for (int64_t h = 0; h < KVH; ++h) {
-        packed[s * KVH + h] = {fp[s], cp[s], key_buf.data() + ko,
-                               amx ? nullptr : value_buf.data() + vo,
-                               amx ? value_pair_buf.data() + po : nullptr};
+        packed[s * KVH + h] = {fp[s], cp[s], key_words_at + ko,
+                               amx ? nullptr : values_at + vo,
+                               amx ? value_pairs_at + po : nullptr};
         ko += (cp[s] + 15) / 16 * 16 * pairs;
         if (amx) po += (cp[s] + 31) / 32 * 32 * D;
         else vo += cp[s] * D;
