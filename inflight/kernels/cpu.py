@@ -5,7 +5,8 @@ fused layer ops) are compiled together with
 ``torch.utils.cpp_extension`` (g++ and ninja) into torch's extension cache, once per
 source version; ``scripts/bootstrap.sh`` builds them at install time so the first engine
 start does not pay for it. If the build fails (no compiler), :func:`available` says so and
-the engine uses PyTorch ops instead.
+the engine uses PyTorch ops instead. ``INFLIGHT_AMX=0`` keeps the prompt attention kernel
+off AMX tiles on CPUs that have them (its AVX512-BF16 path instead).
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@
 //    bfloat16 parts, hi = bf16(p) and lo = bf16(p - hi), into the same accumulator
 //    (relative error ~2^-16 per probability; values exact). See `amx_item` for the tiles.
 //    The op's `allow_amx=False` keeps a call on the AVX512-BF16 path (tests, benchmarks).
+//    On the Intel Xeon with AMX this project measured (2 cores), a 4096-token step of 8
+//    prompts (9 heads, 3 KV heads, D 64) took 6.3 ms against the AVX512-BF16 path's 26.5
+//    (4.2x; 32/8 heads at D 128: 4.8x); the softmax (exp and the split, ~12 cycles per 16
+//    numerators) is about 40% of what remains, the tiles' products about 25%.
 //  - otherwise one call of PyTorch's scaled_dot_product_attention per prompt (its CPU
 //    flash kernel) on strided views, so nothing is padded or copied.
 
