@@ -70,13 +70,32 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    int8_dots: bool | None = None,
 ) -> torch.Tensor:
     """See csrc/paged_attention.cpp for shapes; q and the result are float32 or bfloat16
-    (computed in float32). ``k_scale``
-    and ``v_scale`` come with (and only with) an int8 cache."""
+    (computed in float32). ``k_scale`` and ``v_scale`` come with (and only with) an int8
+    cache; ``int8_dots`` (default :func:`int8_query_dots`) lets an int8 cache's keys be
+    scored with int8 dot products where the CPU has them."""
+    if int8_dots is None:
+        int8_dots = int8_query_dots()
     return torch.ops.inflight.paged_attention(
-        q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, k_scale, v_scale
+        q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, k_scale, v_scale,
+        int8_dots,
     )
+
+
+@cache
+def int8_query_dots() -> bool:
+    """Whether paged attention scores an int8 KV cache's keys with int8 dot products
+    (AVX512-VNNI ``vpdpbusd``, on CPUs that also have AVX512-VBMI) on the queries rounded
+    per row to int8 steps of max|q| / 127, instead of widening every key to float32
+    (``csrc/paged_attention.cpp``, ``score_blocks_int8``). The rounding is of the size of
+    the keys' own int8 rounding. ``INFLIGHT_INT8_DOTS`` = ``int8`` (default) or ``fp32``
+    (float32 FMAs on the exact queries)."""
+    chosen = os.environ.get("INFLIGHT_INT8_DOTS", "int8")
+    if chosen not in ("int8", "fp32"):
+        raise ValueError(f"INFLIGHT_INT8_DOTS must be int8 or fp32, got {chosen!r}")
+    return chosen == "int8"
 
 
 def prompt_attention(
@@ -204,7 +223,7 @@ def decode_stack(
     layer_tensors: list[torch.Tensor], layer_types: list[int], eps: float,
     k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
     k_scales: list[torch.Tensor], v_scales: list[torch.Tensor],
-    num_heads: int, num_kv_heads: int, scale: float,
+    num_heads: int, num_kv_heads: int, scale: float, int8_dots: bool | None = None,
 ) -> torch.ScriptObject:
     """Every decoder layer of a decode step whose linears all read GGUF blocks, as one C++
     object (see csrc/decode_layer.cpp): ``layer_tensors`` holds 6 per layer (input norm
@@ -212,10 +231,13 @@ def decode_stack(
     ``layer_types`` their 4 ggml types; one K and V cache per layer, and one K and V scale
     per layer with an int8 cache (else empty lists). Its ``run(x, positions, cos, sin,
     slot_mapping, block_tables, query_start, seq_lens)`` updates ``x [T, hidden]``
-    (float32) in place and returns the last layer's MLP output."""
+    (float32) in place and returns the last layer's MLP output. ``int8_dots`` as for
+    :func:`paged_attention`."""
+    if int8_dots is None:
+        int8_dots = int8_query_dots()
     return torch.classes.inflight.DecodeStack(
         layer_tensors, layer_types, eps, k_caches, v_caches, k_scales, v_scales,
-        num_heads, num_kv_heads, scale,
+        num_heads, num_kv_heads, scale, int8_dots,
     )
 
 

@@ -4,7 +4,7 @@
 //
 //   stack = torch.classes.inflight.DecodeStack(layer_tensors, layer_types, eps, k_caches,
 //                                              v_caches, k_scales, v_scales, num_heads,
-//                                              num_kv_heads, scale)      once
+//                                              num_kv_heads, scale, int8_dots)  once
 //   pending = stack.run(x, positions, cos, sin, slot_mapping, block_tables, query_start,
 //                       seq_lens)                                        every small step
 //
@@ -50,7 +50,7 @@ using RopeFn = std::tuple<at::Tensor, at::Tensor>(
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                const std::optional<at::Tensor>&,
-                               const std::optional<at::Tensor>&);
+                               const std::optional<at::Tensor>&, bool);
 using SiluMulFn = at::Tensor(const at::Tensor&);
 
 template <typename Fn>
@@ -68,14 +68,16 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<at::Tensor> k_caches, v_caches, k_scales, v_scales;
   int64_t num_heads, num_kv_heads;
   double scale;
+  bool int8_dots;  // paged_attention's choice for an int8 cache, as the layer path makes it
 
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> types, double eps_,
               std::vector<at::Tensor> k, std::vector<at::Tensor> v,
               std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t heads,
-              int64_t kv_heads, double scale_)
+              int64_t kv_heads, double scale_, bool int8_dots_)
       : layer_tensors(std::move(tensors)), layer_types(std::move(types)), eps(eps_),
         k_caches(std::move(k)), v_caches(std::move(v)), k_scales(std::move(ks)),
-        v_scales(std::move(vs)), num_heads(heads), num_kv_heads(kv_heads), scale(scale_) {
+        v_scales(std::move(vs)), num_heads(heads), num_kv_heads(kv_heads), scale(scale_),
+        int8_dots(int8_dots_) {
     const int64_t layers = static_cast<int64_t>(k_caches.size());
     TORCH_CHECK(layers > 0, "DecodeStack needs at least one layer");
     TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == kTensorsPerLayer * layers &&
@@ -114,7 +116,7 @@ struct DecodeStack : torch::CustomClassHolder {
                                           v_scale);
       const at::Tensor attn = paged_attention.call(
           std::get<0>(q_k).contiguous(), k_caches[i], v_caches[i], block_tables, query_start,
-          seq_lens, scale, k_scale, v_scale);
+          seq_lens, scale, k_scale, v_scale, int8_dots);
       const at::Tensor o =
           gguf_matmul.call(attn.reshape({x.size(0), -1}).contiguous(), w[3], type[1]);
       const at::Tensor h2 = rms_norm.call(x, w[1], eps, at::kFloat, o);
@@ -132,6 +134,6 @@ TORCH_LIBRARY_FRAGMENT(inflight, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double,
                        std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
-                       double>())
+                       double, bool>())
       .def("run", &DecodeStack::run);
 }

@@ -9,6 +9,8 @@
 //   block_tables: [S, max_blocks] int32
 //   query_start:  [S + 1] int32   tokens of sequence s are q[query_start[s] : query_start[s+1]]
 //   seq_lens:     [S] int32       context length of s after this step (cached + new)
+//   int8_dots:    an int8 cache's keys scored with int8 dot products where the CPU has
+//                 AVX512-VNNI and VBMI (the queries rounded per row, see score_blocks_int8)
 //   returns:      [T, H, D] in q's dtype (float32 or bfloat16; computed in float32)
 //
 // Query i of sequence s sits at position seq_lens[s] - q_len + i and sees keys 0..position
@@ -130,6 +132,61 @@ inline void score_blocks_bf16(const at::BFloat16* queries, int64_t D,
   for (int j = 0; j < NR; ++j)
     for (int b = 0; b < NB; ++b)
       _mm512_storeu_ps(scores + j * row_stride + b * 16, _mm512_mul_ps(acc[j * NB + b], sc));
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// score_blocks for an int8 cache with int8 dot products (vpdpbusd: four u8 x s8 products
+// summed into each int32 lane), instead of widening every key to float32. The queries come
+// quantised per row (quantize_query: q = step * (u - 128), u a byte, four dimensions to a
+// 32-bit word). One 64-byte load holds key rows 4g .. 4g + 3 of a tile (the cache's [D][16]
+// layout) and one byte permute (vpermb) makes each 32-bit lane one key's four dimensions;
+// the +128 offset is taken back with each key's dimension sum (the same instruction against
+// bytes of 1): q . k = step * (u . k - 128 sum k). The integer sums are exact (|u . k| <=
+// 255 * 127 * D), so the only change from the float32 path is the queries' rounding to int8
+// steps (at most half a step each, step = max|q| / 127), of the size of the keys' own.
+inline __m512i load_key_quad(const int8_t* row, int64_t key_stride) {
+  if (key_stride == 16) return _mm512_loadu_si512(row);
+  __m512i rows = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  for (int j = 1; j < 4; ++j) {
+    const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j * key_stride));
+    rows = _mm512_inserti32x4(rows, r, j);
+  }
+  return rows;
+}
+
+template <int NR, int NB>
+inline void score_blocks_int8(const uint32_t* words, const float* steps, int64_t D,
+                              const int8_t* const* kb, float* scores, int64_t row_stride,
+                              int64_t key_stride) {
+  static const __m512i by_key = [] {  // byte 4 i + j <- row j, key i
+    alignas(64) int8_t lanes[64];
+    for (int p = 0; p < 64; ++p) lanes[p] = static_cast<int8_t>((p % 4) * 16 + p / 4);
+    return _mm512_load_si512(lanes);
+  }();
+  const __m512i ones = _mm512_set1_epi8(1);
+  const int64_t groups = D / 4;
+  __m512i acc[NR * NB], key_sums[NB];
+  for (int i = 0; i < NR * NB; ++i) acc[i] = _mm512_setzero_si512();
+  for (int b = 0; b < NB; ++b) key_sums[b] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i kd[NB];
+    for (int b = 0; b < NB; ++b) {
+      kd[b] = _mm512_permutexvar_epi8(by_key, load_key_quad(kb[b] + 4 * g * key_stride, key_stride));
+      key_sums[b] = _mm512_dpbusd_epi32(key_sums[b], ones, kd[b]);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m512i qd = _mm512_set1_epi32(static_cast<int>(words[j * groups + g]));
+      for (int b = 0; b < NB; ++b) acc[j * NB + b] = _mm512_dpbusd_epi32(acc[j * NB + b], qd, kd[b]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const __m512 step = _mm512_set1_ps(steps[j]);
+    for (int b = 0; b < NB; ++b) {
+      const __m512i dot = _mm512_sub_epi32(acc[j * NB + b], _mm512_slli_epi32(key_sums[b], 7));
+      _mm512_storeu_ps(scores + j * row_stride + b * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), step));
+    }
+  }
 }
 #endif
 
@@ -273,6 +330,10 @@ struct Item {
   const float* queries;  // [rows, D], already scaled
   // bfloat16 queries and cache with AVX512-BF16: the rows unscaled, for score_blocks_bf16
   const at::BFloat16* queries_bf16;
+  // int8 caches with int8 dot products: the rows quantised ([rows][D / 4] words of four
+  // biased bytes, see score_blocks_int8) and each row's step; else null
+  const uint32_t* query_words;
+  const float* query_steps;
   float scale;
   float* scores;         // [rows, padded_keys]
   float* out;            // [rows, D]
@@ -378,6 +439,15 @@ struct Item {
   // queries came as bfloat16 (see attend), else float32 FMAs on the scaled queries.
   template <int NR, int NB>
   void score(int64_t row, const kv_t* const* kb, float* out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+    if constexpr (std::is_same_v<kv_t, int8_t>) {
+      if (query_words != nullptr) {
+        score_blocks_int8<NR, NB>(query_words + row * (shape.head_dim / 4), query_steps + row,
+                                  shape.head_dim, kb, out, padded_keys, shape.block_size);
+        return;
+      }
+    }
+#endif
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
       if (queries_bf16 != nullptr) {
@@ -562,11 +632,48 @@ inline void store_row(const float* src, int64_t D, T* dst) {
   }
 }
 
+// One query row [D] (float32, already scaled) as int8 steps for score_blocks_int8: bytes
+// u = round(q / step) + 128 (round half to even; 1..255), four dimensions to a
+// little-endian word, step = max|q| / 127 (1 for an all-zero row). Returns the step.
+inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
+  float top = 0.f;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {  // 16 lanes at a time, the same arithmetic (a scalar loop was ~7% of a
+                      // decode item's time)
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
+    top = _mm512_reduce_max_ps(m);
+    const float step = top > 0.f ? top / 127.f : 1.f;
+    const __m512 steps = _mm512_set1_ps(step), bias = _mm512_set1_ps(128.f);
+    const __m512 low = _mm512_set1_ps(1.f), high = _mm512_set1_ps(255.f);
+    auto* bytes = reinterpret_cast<uint8_t*>(words);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 x = _mm512_div_ps(_mm512_loadu_ps(q + d), steps);
+      __m512 u = _mm512_add_ps(_mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), bias);
+      u = _mm512_min_ps(_mm512_max_ps(u, low), high);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(u)));
+    }
+    return step;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) top = std::max(top, std::abs(q[d]));
+  const float step = top > 0.f ? top / 127.f : 1.f;
+  for (int64_t g = 0; g < D / 4; ++g) {
+    uint32_t word = 0;
+    for (int64_t j = 0; j < 4; ++j) {
+      const float u = std::nearbyint(q[4 * g + j] / step) + 128.f;
+      word |= static_cast<uint32_t>(std::clamp(u, 1.f, 255.f)) << (8 * j);
+    }
+    words[g] = word;
+  }
+  return step;
+}
+
 template <typename kv_t, typename q_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start,
             const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& k_scale,
-            const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
+            const std::optional<at::Tensor>& v_scale, bool int8_dots_allowed, at::Tensor& out) {
   const Shape shape{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2),
                     k_cache.size(3), block_tables.size(1)};
   const q_t* q_ptr = q.data_ptr<q_t>();
@@ -621,9 +728,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   bf16_dots = std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16> &&
               shape.block_size % 16 == 0 && D % 2 == 0;
 #endif
+  // An int8 cache: keys scored with int8 dot products on the queries quantised per row
+  // (score_blocks_int8) where the CPU has them, unless the caller asks for float32 FMAs.
+  bool int8_dots = false;
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  int8_dots = int8_dots_allowed && std::is_same_v<kv_t, int8_t> && shape.block_size % 16 == 0 &&
+              D % 4 == 0;
+#endif
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> queries, scores, result, key_scales, value_scales;
+    std::vector<float> queries, scores, result, key_scales, value_scales, query_steps;
     std::vector<at::BFloat16> queries16;
+    std::vector<uint32_t> query_words;
     for (int64_t w = next++; w < num_items; w = next++) {
       const WorkItem it = items[order[w]];
       for (int64_t kv_head = it.kv_head_begin; kv_head < it.kv_head_end; ++kv_head) {
@@ -648,6 +763,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (int64_t r = 0; r < rows; ++r)
             std::memcpy(queries16.data() + r * D, q_ptr + token_head(r) * D, D * sizeof(q_t));
         }
+        if (int8_dots) {
+          query_words.resize(rows * (D / 4));
+          query_steps.resize(rows);
+          for (int64_t r = 0; r < rows; ++r)
+            query_steps[r] = quantize_query(queries.data() + r * D, D, query_words.data() + r * (D / 4));
+        }
         const int32_t* table = tables + static_cast<int64_t>(it.seq) * shape.max_blocks;
         const bool int8 = k_scale_ptr != nullptr;
         if (int8) {
@@ -657,7 +778,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         Item<kv_t> item{shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(), table,
                         kv_head, rows, num_keys, padded, queries.data(),
                         bf16_dots ? reinterpret_cast<const at::BFloat16*>(queries16.data()) : nullptr,
-                        static_cast<float>(scale), scores.data(),
+                        int8_dots ? query_words.data() : nullptr,
+                        int8_dots ? query_steps.data() : nullptr, static_cast<float>(scale),
+                        scores.data(),
                         result.data(), k_scale_ptr, v_scale_ptr,
                         int8 ? key_scales.data() : nullptr, int8 ? value_scales.data() : nullptr};
         item.compute_scores();
@@ -674,7 +797,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            double scale, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& v_scale, bool int8_dots) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "q must be a contiguous float32 or bfloat16 [T, H, D] tensor");
@@ -706,10 +829,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     using kv_t = decltype(kv_zero);
     if (q.scalar_type() == at::kFloat) {
       attend<kv_t, float>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale,
-                          v_scale, out);
+                          v_scale, int8_dots, out);
     } else {
       attend<kv_t, at::BFloat16>(q, k_cache, v_cache, tables, query_start, seq_lens, scale,
-                                 k_scale, v_scale, out);
+                                 k_scale, v_scale, int8_dots, out);
     }
   };
   if (k_cache.scalar_type() == at::kFloat) {
@@ -730,6 +853,6 @@ TORCH_LIBRARY(inflight, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_start, Tensor seq_lens, float scale, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> Tensor");
+      "Tensor? v_scale=None, bool int8_dots=True) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
