@@ -30,14 +30,16 @@ class MachinePeaks:
     library_fp32_gemm_gflops: float  # torch.mm of 2048 x 2048 x 2048 float32
     avx512_bf16: bool
     amx: bool
+    amx_gflops: float = 0.0  # TDPBF16PS on AMX tiles (register-only loop); 0 without AMX
+
 
     def compute_gflops(self, dtype: torch.dtype) -> float:
         """The compute roof for arithmetic on ``dtype`` operands: float32 FMA, or for
-        bfloat16 the faster of vdpbf16ps and float32 FMA on converted operands (without
-        AMX, vdpbf16ps can be the slower: a roof must bound whichever a library picks).
-        With AMX the true bfloat16 roof is higher than either (see :func:`format_peaks`)."""
+        bfloat16 the fastest of AMX tiles, vdpbf16ps and float32 FMA on converted operands
+        (without AMX, vdpbf16ps can be the slower: a roof must bound whichever a kernel
+        picks)."""
         if dtype == torch.bfloat16:
-            return max(self.bf16_gflops, self.fp32_gflops)
+            return max(self.amx_gflops, self.bf16_gflops, self.fp32_gflops)
         return self.fp32_gflops
 
 
@@ -48,6 +50,7 @@ def measure_peaks(
     flags = cpu_flags()
     fp32 = max(_probe("fp32_fma", seconds) for _ in range(repeats))
     bf16 = max(_probe("bf16_dot", seconds) for _ in range(repeats))
+    amx = max(_probe("amx_bf16", seconds) for _ in range(repeats)) if "amx_bf16" in flags else 0.0
     gemm = library_gemm_gflops(repeats=repeats)
     return MachinePeaks(
         cpu_model=cpu_model_name(),
@@ -59,6 +62,7 @@ def measure_peaks(
         library_fp32_gemm_gflops=gemm,
         avx512_bf16="avx512_bf16" in flags,
         amx="amx_bf16" in flags,
+        amx_gflops=amx,
     )
 
 
@@ -97,7 +101,8 @@ def format_peaks(peaks: MachinePeaks) -> str:
         f"AMX: {'yes' if peaks.amx else 'no'}; {peaks.threads} threads",
         f"peaks: memory read {peaks.memory_gbps:.1f} GB/s, float32 FMA "
         f"{peaks.fp32_gflops:.0f} GFLOP/s (PyTorch float32 GEMM reaches "
-        f"{peaks.library_fp32_gemm_gflops:.0f}), bfloat16 dot {bf16} GFLOP/s",
-        *(["note: AMX is not measured: bfloat16 matmul fractions may exceed 1"]
-          if peaks.amx else []),
+        f"{peaks.library_fp32_gemm_gflops:.0f}), bfloat16 dot {bf16} GFLOP/s"
+        + (f", AMX bfloat16 tiles {peaks.amx_gflops:.0f} GFLOP/s" if peaks.amx_gflops > 0 else ""),
+        *(["note: AMX tiles could not be measured: bfloat16 matmul fractions may exceed 1"]
+          if peaks.amx and peaks.amx_gflops <= 0 else []),
     ])

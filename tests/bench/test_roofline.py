@@ -171,7 +171,22 @@ def test_measured_peaks_are_physically_possible(peaks: MachinePeaks) -> None:
     assert 0 < peaks.library_fp32_gemm_gflops <= ceiling
     if peaks.avx512_bf16:
         assert 0 < peaks.bf16_gflops <= 2 * ceiling
+    if peaks.amx:  # one 16 x 16 x 32 tile product (16 384 FLOP) per 16 cycles a core
+        assert 0 <= peaks.amx_gflops <= peaks.threads * 6.0 * 1024  # 0: the OS refused tiles
+    else:
+        assert peaks.amx_gflops == 0
     assert 0.1 < peaks.memory_gbps < 2000.0
+
+
+def test_bfloat16_roof_is_the_fastest_unit_the_cpu_has() -> None:
+    """bfloat16 kernels may run on AMX tiles, vdpbf16ps or float32 FMAs: the roof is the
+    fastest, so no kernel's fraction of it can pass 1 by picking another unit."""
+    from dataclasses import replace
+
+    with_amx = replace(PEAKS, bf16_gflops=80.0, amx=True, amx_gflops=900.0)
+    assert with_amx.compute_gflops(torch.bfloat16) == 900.0
+    assert with_amx.compute_gflops(torch.float32) == 100.0
+    assert replace(PEAKS, bf16_gflops=80.0).compute_gflops(torch.bfloat16) == 100.0
 
 
 def test_bench_profile_lists_each_kernel_against_its_bound(

@@ -5,6 +5,9 @@
 //     "fp32_fma"   float32 fused multiply-add: 2 FLOP per lane (16 lanes per zmm, 8 per ymm)
 //     "bf16_dot"   vdpbf16ps: 32 bfloat16 pairs multiplied and summed into 16 float32
 //                  lanes, 64 FLOP per instruction (AVX512-BF16 only)
+//     "amx_bf16"   TDPBF16PS on AMX tiles: a 16 x 32 by 32 x 16 bfloat16 product into 16 x 16
+//                  float32, 16 384 FLOP per instruction, four independent accumulator
+//                  tiles (AMX only, and only where the OS grants tile data)
 //
 // Each thread runs a register-only loop with many independent accumulators (more than
 // the FMA latency times the number of FMA ports), so nothing but the FMA units limits it;
@@ -18,6 +21,8 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+
+#include "amx_tiles.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -94,6 +99,40 @@ int64_t dpbf16_until(Clock::time_point deadline) {
 }
 #endif
 
+#if defined(INFLIGHT_AMX)
+int64_t amx_until(Clock::time_point deadline) {
+  if (!inflight_amx::tile_permission()) return -1;
+  inflight_amx::TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+  // Zero inputs: the tile unit's rate does not depend on the values.
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  constexpr int64_t kTileIters = 64;  // 4 instructions each, between clock reads
+  int64_t iters = 0;
+  while (Clock::now() < deadline) {
+    for (int64_t n = 0; n < kTileIters; ++n) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    iters += kTileIters;
+  }
+  _tile_release();
+  return iters * 4 * 16 * 16 * 32 * 2;
+}
+#endif
+
 // FLOPs one thread does until `deadline`; -1 when the kind is unsupported here.
 int64_t flops_until(const std::string& kind, Clock::time_point deadline) {
   if (kind == "fp32_fma") {
@@ -106,8 +145,12 @@ int64_t flops_until(const std::string& kind, Clock::time_point deadline) {
 #if defined(__AVX512BF16__)
     return dpbf16_until(deadline);
 #endif
+  } else if (kind == "amx_bf16") {
+#if defined(INFLIGHT_AMX)
+    return amx_until(deadline);
+#endif
   } else {
-    TORCH_CHECK(false, "peak_gflops: unknown kind '", kind, "' (fp32_fma or bf16_dot)");
+    TORCH_CHECK(false, "peak_gflops: unknown kind '", kind, "' (fp32_fma, bf16_dot or amx_bf16)");
   }
   (void)deadline;
   return -1;
