@@ -413,3 +413,25 @@ def test_int8_key_dots_round_only_the_queries(block_size):
     assert error.mean() < 0.02 * exact.abs().mean() and error.max() < 0.1
     if {"avx512_vnni", "avx512vbmi"} <= cpu_flags():
         assert not torch.equal(int8, exact)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72])  # the vector and the scalar rounding loop
+def test_int8_key_dots_keep_a_nan_query_nan(head_dim):
+    """Rounding to int8 steps clamps every value to a byte, a NaN included: the row's step
+    must be NaN instead, so a NaN query gives NaN outputs for its head as on the float32
+    path, not finite ones that hide it."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    torch.manual_seed(3)
+    k_cache = torch.randint(-127, 128, (4, 2, head_dim, 16), dtype=torch.int8)
+    v_cache = torch.randint(-127, 128, (4, 16, 2, head_dim), dtype=torch.int8)
+    scales = torch.full((4, 2, 16), 0.01)
+    q = torch.randn(1, 4, head_dim)
+    q[0, 0, 5] = float("nan")
+    args = (q, k_cache, v_cache, torch.tensor([[0, 1, 2]], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+            head_dim**-0.5, scales, scales)
+    int8 = cpu_kernels.paged_attention(*args, int8_dots=True)
+    fp32 = cpu_kernels.paged_attention(*args, int8_dots=False)
+    assert torch.equal(int8.isnan(), fp32.isnan())
+    assert int8[0, 0].isnan().all() and not int8[0, 1:].isnan().any()

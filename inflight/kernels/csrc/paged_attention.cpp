@@ -634,16 +634,23 @@ inline void store_row(const float* src, int64_t D, T* dst) {
 
 // One query row [D] (float32, already scaled) as int8 steps for score_blocks_int8: bytes
 // u = round(q / step) + 128 (round half to even; 1..255), four dimensions to a
-// little-endian word, step = max|q| / 127 (1 for an all-zero row). Returns the step.
+// little-endian word, step = max|q| / 127 (1 for an all-zero row). Returns the step: NaN
+// for a row with a NaN, so its scores are NaN as on the float32 path (the rounding would
+// clamp a NaN to a finite byte).
 inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
   float top = 0.f;
 #if defined(__AVX512F__)
   if (D % 16 == 0) {  // 16 lanes at a time, the same arithmetic (a scalar loop was ~7% of a
                       // decode item's time)
     __m512 m = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
+    __mmask16 nan = 0;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 x = _mm512_loadu_ps(q + d);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, _mm512_abs_ps(x));
+    }
     top = _mm512_reduce_max_ps(m);
-    const float step = top > 0.f ? top / 127.f : 1.f;
+    const float step = nan ? std::numeric_limits<float>::quiet_NaN() : top > 0.f ? top / 127.f : 1.f;
     const __m512 steps = _mm512_set1_ps(step), bias = _mm512_set1_ps(128.f);
     const __m512 low = _mm512_set1_ps(1.f), high = _mm512_set1_ps(255.f);
     auto* bytes = reinterpret_cast<uint8_t*>(words);
@@ -656,8 +663,12 @@ inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
     return step;
   }
 #endif
-  for (int64_t d = 0; d < D; ++d) top = std::max(top, std::abs(q[d]));
-  const float step = top > 0.f ? top / 127.f : 1.f;
+  bool nan = false;
+  for (int64_t d = 0; d < D; ++d) {
+    top = std::max(top, std::abs(q[d]));
+    nan = nan || std::isnan(q[d]);
+  }
+  const float step = nan ? std::numeric_limits<float>::quiet_NaN() : top > 0.f ? top / 127.f : 1.f;
   for (int64_t g = 0; g < D / 4; ++g) {
     uint32_t word = 0;
     for (int64_t j = 0; j < 4; ++j) {
