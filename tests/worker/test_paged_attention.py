@@ -305,6 +305,18 @@ def test_bfloat16_queries_on_a_bfloat16_cache_match_dense(block_size, seed, atte
         offset += new
 
 
+def scattered_tables(per_seq: list[int], num_blocks: int) -> torch.Tensor:
+    """Block tables [S, max(per_seq)] int32 giving sequence s per_seq[s] distinct blocks
+    of the cache in a random order (unused entries 0)."""
+    order = torch.randperm(num_blocks)
+    tables = torch.zeros(len(per_seq), max(per_seq), dtype=torch.int32)
+    used = 0
+    for s, count in enumerate(per_seq):
+        tables[s, :count] = order[used : used + count].int()
+        used += count
+    return tables
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (2, 2, 128), (12, 3, 64), (3, 3, 64)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -321,12 +333,7 @@ def test_decode_tokens_match_dense_tightly(heads, kv_heads, head_dim, block_size
     num_blocks = sum(per_seq) + 3
     k_cache = torch.randn(num_blocks, kv_heads, head_dim, block_size).to(kv_dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(kv_dtype)
-    order = torch.randperm(num_blocks)
-    tables = torch.zeros(len(context), max(per_seq), dtype=torch.int32)
-    used = 0
-    for s, count in enumerate(per_seq):
-        tables[s, :count] = order[used : used + count].int()
-        used += count
+    tables = scattered_tables(per_seq, num_blocks)
     q = torch.randn(len(context), heads, head_dim) * 2
     out = cpu_kernels.paged_attention(
         q, k_cache, v_cache, tables, torch.arange(len(context) + 1, dtype=torch.int32),
@@ -355,12 +362,7 @@ def int8_step(block_size: int, context: list[int], q_len: list[int], seed: int):
     v_cache = torch.randint(-127, 128, (num_blocks, block_size, KV_HEADS, HEAD_DIM), dtype=torch.int8)
     k_scale = torch.rand(num_blocks, KV_HEADS, block_size) * 0.02 + 1e-3
     v_scale = torch.rand(num_blocks, KV_HEADS, block_size) * 0.02 + 1e-3
-    order = torch.randperm(num_blocks)
-    tables = torch.zeros(len(context), max(per_seq), dtype=torch.int32)
-    used = 0
-    for s, count in enumerate(per_seq):
-        tables[s, :count] = order[used : used + count].int()
-        used += count
+    tables = scattered_tables(per_seq, num_blocks)
     starts = torch.tensor([0, *torch.tensor(q_len).cumsum(0).tolist()], dtype=torch.int32)
     return k_cache, v_cache, k_scale, v_scale, tables, starts, torch.tensor(context, dtype=torch.int32)
 
