@@ -32,7 +32,6 @@ class MachinePeaks:
     amx: bool
     amx_gflops: float = 0.0  # TDPBF16PS on AMX tiles (register-only loop); 0 without AMX
 
-
     def compute_gflops(self, dtype: torch.dtype) -> float:
         """The compute roof for arithmetic on ``dtype`` operands: float32 FMA, or for
         bfloat16 the fastest of AMX tiles, vdpbf16ps and float32 FMA on converted operands

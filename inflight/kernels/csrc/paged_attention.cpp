@@ -637,6 +637,10 @@ inline void store_row(const float* src, int64_t D, T* dst) {
 // little-endian word, step = max|q| / 127 (1 for an all-zero row). Returns the step: NaN
 // for a row with a NaN, so its scores are NaN as on the float32 path (the rounding would
 // clamp a NaN to a finite byte).
+inline float query_step(float top, bool nan) {
+  return nan ? std::numeric_limits<float>::quiet_NaN() : top > 0.f ? top / 127.f : 1.f;
+}
+
 inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
   float top = 0.f;
 #if defined(__AVX512F__)
@@ -650,7 +654,7 @@ inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
       m = _mm512_max_ps(m, _mm512_abs_ps(x));
     }
     top = _mm512_reduce_max_ps(m);
-    const float step = nan ? std::numeric_limits<float>::quiet_NaN() : top > 0.f ? top / 127.f : 1.f;
+    const float step = query_step(top, nan != 0);
     const __m512 steps = _mm512_set1_ps(step), bias = _mm512_set1_ps(128.f);
     const __m512 low = _mm512_set1_ps(1.f), high = _mm512_set1_ps(255.f);
     auto* bytes = reinterpret_cast<uint8_t*>(words);
@@ -668,7 +672,7 @@ inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
     top = std::max(top, std::abs(q[d]));
     nan = nan || std::isnan(q[d]);
   }
-  const float step = nan ? std::numeric_limits<float>::quiet_NaN() : top > 0.f ? top / 127.f : 1.f;
+  const float step = query_step(top, nan);
   for (int64_t g = 0; g < D / 4; ++g) {
     uint32_t word = 0;
     for (int64_t j = 0; j < 4; ++j) {
