@@ -257,6 +257,12 @@ def int8_linear(
     return torch.ops.inflight.int8_linear(x, wq, w_scale, smooth_inv)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [N, V]`` float32 -> ``[N]`` int64: each row's first index of its maximum, as
+    ``logits.max(dim=-1).indices``; -1 for a row holding a NaN (see csrc/greedy_argmax.cpp)."""
+    return torch.ops.inflight.greedy_argmax(logits)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first)."""
     return torch.ops.inflight.silu_mul(gate_up)

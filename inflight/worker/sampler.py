@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inflight.kernels import cpu as cpu_kernels
 from inflight.sampling_params import SamplingParams
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; reducing modulo 2**64 gives the
@@ -53,7 +54,7 @@ class Sampler:
         ids row i may not produce. Returns N token ids and the rows that failed."""
         if suppressed is not None:
             logits = _suppress(logits, suppressed)
-        tokens = logits.max(dim=-1).indices  # first maximum, like argmax; ~2x faster on CPU
+        tokens = _greedy_tokens(logits)
         failed: dict[str, str] = {}
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
@@ -110,6 +111,20 @@ def inverse_transform_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torc
     total = cdf[:, -1:]
     target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, total.new_zeros(())))
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[N] int64: each row's first index of its maximum, as ``logits.max(dim=-1).indices``
+    (~2x faster than ``argmax`` on CPU). On CPU the C++ kernel (csrc/greedy_argmax.cpp:
+    ~0.3 against 0.8 ms for 57 rows of 49,152); rows it leaves to PyTorch (a NaN) as
+    PyTorch has them."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not cpu_kernels.available():
+        return logits.max(dim=-1).indices
+    tokens = cpu_kernels.greedy_argmax(logits)
+    nan_rows = (tokens < 0).nonzero().flatten()
+    if len(nan_rows) > 0:
+        tokens[nan_rows] = logits[nan_rows].max(dim=-1).indices
+    return tokens
 
 
 def _suppress(logits: torch.Tensor, suppressed: Sequence[Sequence[int]]) -> torch.Tensor:
