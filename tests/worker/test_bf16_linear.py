@@ -31,6 +31,30 @@ def test_matches_float64_reference(m, n, k):
     assert_within_one_ulp(got, reference(x, w))
 
 
+@pytest.mark.parametrize("n", [80, 208, 576, 960])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_columns_split_between_threads_inside_a_tile_give_the_same_bits(n, threads):
+    """Threads take equal runs of 16-column blocks, so a run may start or end inside a
+    64-column tile (576 columns on 2 threads: 4.5 tiles each). Every output column must
+    come out bit for bit as one thread computes it, and each split column must still be
+    the product with its own weight row."""
+    torch.manual_seed(n + threads)
+    k = 96
+    x = torch.randn(13, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    packed = cpu.bf16_pack_pairs(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu.bf16_linear(x, packed, n, float32_out=True)
+        torch.set_num_threads(threads)
+        split = cpu.bf16_linear(x, packed, n, float32_out=True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(split, alone)
+    assert_within_one_ulp(split.bfloat16(), reference(x, w))
+
+
 @pytest.mark.parametrize("m", [1, 6, 13])
 def test_float32_out_is_the_unrounded_sum(m):
     """float32_out (the output layer's logits): float32, within float32 summation error of
