@@ -119,7 +119,7 @@ void columns(const uint32_t* x, int64_t M, int64_t K, const uint32_t* packed, in
   const int64_t kpairs = K / 2;
   for (int64_t col = begin; col < end;) {
     const int64_t tile_col = col / kTileCols * kTileCols;
-    const int64_t stop = std::min({end, tile_col + kTileCols, N});
+    const int64_t stop = std::min(end, tile_col + kTileCols);  // end <= N
     const int64_t next_tile = tile_col + kTileCols;
     const int64_t next_width = stop < end ? std::min(kTileCols, N - next_tile) : 0;
     const char* next = reinterpret_cast<const char*>(packed + next_tile * kpairs);
@@ -178,10 +178,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   // Each thread an equal run of 16-column blocks, not of whole 64-column tiles: the 9 tiles
-  // of a 576-column layer split 5 : 4 between two threads, so one thread idled a tenth of
-  // the time on SmolLM2's o and down projections.
-  const int64_t blocks = N / 16;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  // of a 576-column layer (SmolLM2's o and down projections) split 5 : 4 between two
+  // threads, so such a call took five tiles' time for four and a half tiles' work.
+  const int64_t blocks = N / 16, threads = at::get_num_threads();
   const int64_t per_thread = (blocks + threads - 1) / threads;
   auto run = [&](auto* yp) {
     at::parallel_for(0, blocks, per_thread, [&](int64_t begin, int64_t end) {
