@@ -37,6 +37,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     batching: str = "continuous"
+    # vLLM's names: a prompt with more tokens left than the threshold gets at most that many
+    # in one step, while another request is running or waiting (0: no cap); adaptive floors
+    # the cap at the budget's fair share, max_num_batched_tokens / requests (see PrefillCap).
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -52,6 +57,20 @@ class SchedulerConfig:
         _require(
             self.batching in BATCHING_MODES,
             f"batching must be one of {BATCHING_MODES}, got {self.batching!r}",
+        )
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold must be >= 0 (0: no cap), got "
+            f"{self.long_prefill_token_threshold}",
+        )
+        _require(
+            self.long_prefill_token_threshold <= self.max_model_len,
+            f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) cannot be "
+            f"greater than the max_model_len ({self.max_model_len})",
+        )
+        _require(
+            self.long_prefill_token_threshold == 0 or self.enable_chunked_prefill,
+            "long_prefill_token_threshold caps prompt chunks: it needs chunked prefill",
         )
         if not self.enable_chunked_prefill:
             _require(
@@ -171,6 +190,8 @@ def make_engine_config(
     kv_cache_dtype: str = "auto",
     max_logprobs: int = 20,
     max_waiting_requests: int | None = None,
+    long_prefill_token_threshold: int = 0,
+    long_prefill_token_threshold_adaptive: bool = False,
 ) -> EngineConfig:
     """vLLM-style keyword options -> a validated :class:`EngineConfig`.
 
@@ -194,6 +215,8 @@ def make_engine_config(
             max_model_len=provisional_len,
             enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy, batching=batching,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
         ),
         record_trace=record_trace,
         max_logprobs=max_logprobs,

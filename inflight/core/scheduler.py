@@ -3,7 +3,8 @@
 Each call to :meth:`Scheduler.schedule` plans one step under a token budget:
 
 1. serve running requests first, each advancing ``num_computed_tokens`` toward its token
-   count (a decode is one token, a prompt may be a chunk of many);
+   count (a decode is one token, a prompt may be a chunk of many, at most
+   ``long_prefill_token_threshold`` while others run or wait: :class:`PrefillCap`);
 2. when the KV pool cannot grow a request's block table, preempt the lowest-priority,
    latest-arriving running request (free its blocks, back to the head of ``waiting``,
    recomputed later). Arrival is the order requests were added (the FCFS queue's
@@ -37,6 +38,7 @@ from inflight.core.interface import (
     SchedulerOutput,
 )
 from inflight.core.kv_cache_manager import KVCacheManager
+from inflight.core.prefill_cap import PrefillCap, capped
 from inflight.core.request import Request, RequestStatus
 from inflight.core.request_queue import make_request_queue
 from inflight.core.slots import SlotTable
@@ -62,6 +64,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.slots = SlotTable(config.max_num_seqs)
         self.batching = make_batching_policy(config.batching, self.slots)
+        self.prefill_cap = PrefillCap.from_config(config)
         self.num_preemptions = 0
         # Request id -> the order it was added in: the victim order (see _pick_victim).
         self._arrival_order: dict[str, int] = {}
@@ -167,10 +170,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
+        cap = self.prefill_cap.for_step(len(self.running) + len(self.waiting))
 
-        budget = self._schedule_running(budget, scheduled, preempted)
+        budget = self._schedule_running(budget, scheduled, preempted, cap)
         if not preempted:
-            self._schedule_waiting(budget, scheduled)
+            self._schedule_waiting(budget, scheduled, cap)
 
         output = SchedulerOutput(
             step_id=self._step_id,
@@ -183,12 +187,13 @@ class Scheduler:
         return output
 
     def _schedule_running(
-        self, budget: int, scheduled: dict[str, ScheduledRequest], preempted: list[str]
+        self, budget: int, scheduled: dict[str, ScheduledRequest], preempted: list[str],
+        cap: int,
     ) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(capped(request.num_tokens - request.num_computed_tokens, cap), budget)
             while self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
             ) is None:
@@ -209,7 +214,9 @@ class Scheduler:
                 index += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> None:
+    def _schedule_waiting(
+        self, budget: int, scheduled: dict[str, ScheduledRequest], cap: int
+    ) -> None:
         for request in self.batching.admissible(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -220,7 +227,7 @@ class Scheduler:
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(capped(num_new, cap), budget)
             num_total = prefix.num_tokens + num_new
             if self.kv_cache.allocate_slots(request.request_id, num_total, prefix) is None:
                 break

@@ -62,6 +62,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                        action="store_false", default=True,
                        help="schedule whole prompts only (default: chunked prefill on)")
     group.add_argument(
+        "--long-prefill-token-threshold", type=int, default=0,
+        help="a prompt with more tokens left than this gets at most this many in one step "
+        "while other requests run or wait, so it cannot fill a step others wait behind "
+        "(default: 0, no cap; as vLLM)",
+    )
+    group.add_argument(
+        "--long-prefill-token-threshold-adaptive", action="store_true", default=False,
+        help="floor --long-prefill-token-threshold at the budget's fair share, "
+        "max-num-batched-tokens / requests running or waiting",
+    )
+    group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV blocks of prompt prefixes seen before (on by default, as in vLLM)",
     )
@@ -86,6 +97,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, batching=args.batching,
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
