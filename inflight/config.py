@@ -37,11 +37,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     batching: str = "continuous"
-    # vLLM's names: a prompt with more tokens left than the threshold gets at most that many
-    # in one step, while another request is running or waiting (0: no cap); adaptive floors
-    # the cap at the budget's fair share, max_num_batched_tokens / requests (see PrefillCap).
+    # vLLM's names (see core/prefill_cap.py): a prompt with more tokens left than the
+    # threshold is long. With max_long_partial_prefills = 0 it gets at most threshold tokens
+    # in a step while another request runs or waits (0: no cap; adaptive floors the cap at
+    # max_num_batched_tokens / requests); with n > 0, at most n long prompts take tokens in
+    # one step, uncapped, and the others wait.
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
+    max_long_partial_prefills: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -71,6 +74,16 @@ class SchedulerConfig:
         _require(
             self.long_prefill_token_threshold == 0 or self.enable_chunked_prefill,
             "long_prefill_token_threshold caps prompt chunks: it needs chunked prefill",
+        )
+        _require(
+            self.max_long_partial_prefills >= 0,
+            "max_long_partial_prefills must be >= 0 (0: no limit), got "
+            f"{self.max_long_partial_prefills}",
+        )
+        _require(
+            self.max_long_partial_prefills == 0 or self.long_prefill_token_threshold > 0,
+            "max_long_partial_prefills needs long_prefill_token_threshold > 0 (the prompt "
+            "length above which a prompt is long)",
         )
         if not self.enable_chunked_prefill:
             _require(
@@ -192,6 +205,7 @@ def make_engine_config(
     max_waiting_requests: int | None = None,
     long_prefill_token_threshold: int = 0,
     long_prefill_token_threshold_adaptive: bool = False,
+    max_long_partial_prefills: int = 0,
 ) -> EngineConfig:
     """vLLM-style keyword options -> a validated :class:`EngineConfig`.
 
@@ -217,6 +231,7 @@ def make_engine_config(
             scheduling_policy=scheduling_policy, batching=batching,
             long_prefill_token_threshold=long_prefill_token_threshold,
             long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
+            max_long_partial_prefills=max_long_partial_prefills,
         ),
         record_trace=record_trace,
         max_logprobs=max_logprobs,

@@ -3,8 +3,8 @@
 Each call to :meth:`Scheduler.schedule` plans one step under a token budget:
 
 1. serve running requests first, each advancing ``num_computed_tokens`` toward its token
-   count (a decode is one token, a prompt may be a chunk of many, at most
-   ``long_prefill_token_threshold`` while others run or wait: :class:`PrefillCap`);
+   count (a decode is one token, a prompt may be a chunk of many; a long prompt may be
+   capped or held to a later step, :class:`PrefillCap`);
 2. when the KV pool cannot grow a request's block table, preempt the lowest-priority,
    latest-arriving running request (free its blocks, back to the head of ``waiting``,
    recomputed later). Arrival is the order requests were added (the FCFS queue's
@@ -38,7 +38,7 @@ from inflight.core.interface import (
     SchedulerOutput,
 )
 from inflight.core.kv_cache_manager import KVCacheManager
-from inflight.core.prefill_cap import PrefillCap, capped
+from inflight.core.prefill_cap import PrefillCap, StepPrefills
 from inflight.core.request import Request, RequestStatus
 from inflight.core.request_queue import make_request_queue
 from inflight.core.slots import SlotTable
@@ -170,11 +170,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
-        cap = self.prefill_cap.for_step(len(self.running) + len(self.waiting))
+        prefills = self.prefill_cap.start_step(len(self.running) + len(self.waiting))
 
-        budget = self._schedule_running(budget, scheduled, preempted, cap)
+        budget = self._schedule_running(budget, scheduled, preempted, prefills)
         if not preempted:
-            self._schedule_waiting(budget, scheduled, cap)
+            self._schedule_waiting(budget, scheduled, prefills)
 
         output = SchedulerOutput(
             step_id=self._step_id,
@@ -188,12 +188,16 @@ class Scheduler:
 
     def _schedule_running(
         self, budget: int, scheduled: dict[str, ScheduledRequest], preempted: list[str],
-        cap: int,
+        prefills: StepPrefills,
     ) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(capped(request.num_tokens - request.num_computed_tokens, cap), budget)
+            num_new = prefills.tokens_for(request.num_tokens - request.num_computed_tokens)
+            if num_new == 0:  # a long prompt past the step's long limit: next step
+                index += 1
+                continue
+            num_new = min(num_new, budget)
             while self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
             ) is None:
@@ -215,7 +219,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(
-        self, budget: int, scheduled: dict[str, ScheduledRequest], cap: int
+        self, budget: int, scheduled: dict[str, ScheduledRequest], prefills: StepPrefills
     ) -> None:
         for request in self.batching.admissible(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -227,7 +231,10 @@ class Scheduler:
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(capped(num_new, cap), budget)
+            allowed = prefills.tokens_for(num_new)
+            if allowed == 0:  # a long prompt past the step's long limit: shorter ones pass
+                continue
+            num_new = min(allowed, budget)
             num_total = prefix.num_tokens + num_new
             if self.kv_cache.allocate_slots(request.request_id, num_total, prefix) is None:
                 break

@@ -73,6 +73,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "max-num-batched-tokens / requests running or waiting",
     )
     group.add_argument(
+        "--max-long-partial-prefills", type=int, default=0,
+        help="at most this many prompts longer than --long-prefill-token-threshold take "
+        "tokens in one step (uncapped; the other long ones wait, shorter ones pass), so "
+        "long prompts arriving together go one after another (default: 0, no limit)",
+    )
+    group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV blocks of prompt prefixes seen before (on by default, as in vLLM)",
     )
@@ -99,6 +105,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+        max_long_partial_prefills=args.max_long_partial_prefills,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, batching=args.batching,
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,

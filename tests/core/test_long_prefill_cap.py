@@ -1,6 +1,7 @@
-"""long_prefill_token_threshold (vLLM's name): a long prompt takes at most the threshold
-per step while another request runs or waits, so the requests behind it are not stuck
-for a whole budget-filling step; alone, it takes the whole budget."""
+"""long_prefill_token_threshold and max_long_partial_prefills (vLLM's names): a long
+prompt takes at most the threshold per step while another request runs or waits (alone,
+the whole budget); or, with a long limit, long prompts go one (or n) per step, uncapped,
+while shorter prompts and decodes pass them."""
 
 from __future__ import annotations
 
@@ -94,10 +95,84 @@ def test_random_arrivals_with_a_cap_match_the_reference() -> None:
     assert_matches_reference(result, specs)
 
 
+def test_long_limit_serves_long_prompts_one_after_another() -> None:
+    specs = [
+        Spec("first", prompt(120), max_tokens=4),
+        Spec("second", prompt(200, 1), max_tokens=4),
+        Spec("short", prompt(20, 2), max_tokens=4),
+    ]
+    options = dict(max_num_batched_tokens=512, long_prefill_token_threshold=64)
+    serial = run_specs(make_scheduler(**options, max_long_partial_prefills=1), specs)
+    # The first long prompt whole in step 0 (no cap), the short one beside it; the second
+    # long one waits for step 1, then takes its whole prompt there.
+    assert chunks(serial, "first") == [(0, 120)]
+    assert chunks(serial, "short") == [(0, 20)]
+    assert chunks(serial, "second") == [(1, 200)]
+    assert_matches_reference(serial, specs)
+    # Without the limit all three share step 0 (and the threshold alone would cap them).
+    together = run_specs(make_scheduler(max_num_batched_tokens=512), specs)
+    assert [chunks(together, r)[0][0] for r in ("first", "second", "short")] == [0, 0, 0]
+
+
+def test_long_limit_lets_a_running_long_prompt_finish_first() -> None:
+    """A long prompt chunked by the budget keeps the long slot until its prompt is done;
+    a long newcomer waits, a short one joins as soon as the budget has room."""
+    specs = [Spec("a", prompt(300), max_tokens=3), Spec("b", prompt(150, 1), max_tokens=3),
+             Spec("c", prompt(10, 2), max_tokens=3)]
+    result = run_specs(
+        make_scheduler(max_num_batched_tokens=128, long_prefill_token_threshold=32,
+                       max_long_partial_prefills=1),
+        specs, {"b": 1, "c": 1},
+    )
+    assert [step for step, _ in chunks(result, "a")] == [0, 1, 2]
+    # Step 2: a's last 44 tokens (still long) and the short c; b only after a is done.
+    assert chunks(result, "c")[0][0] == 2
+    assert chunks(result, "b")[0][0] == 3
+    assert_matches_reference(result, specs)
+
+
+@pytest.mark.parametrize("max_long", [1, 2])
+def test_random_arrivals_with_a_long_limit_match_the_reference(max_long: int) -> None:
+    rng = random.Random(11 + max_long)
+    specs = [
+        Spec(f"r{i}", prompt(rng.randint(1, 150), i), max_tokens=rng.randint(1, 10))
+        for i in range(25)
+    ]
+    arrive_at = {s.request_id: rng.randint(0, 20) for s in specs}
+
+    def observe(step, scheduler, record) -> None:
+        long = [
+            item for item in record.output.scheduled
+            if item.is_prefill and scheduler_remaining[item.request_id] > 24
+        ]
+        assert len(long) <= max_long
+
+    scheduler = make_scheduler(
+        num_blocks=300, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+        long_prefill_token_threshold=24, max_long_partial_prefills=max_long,
+    )
+    # Tokens each request had left when its step was planned, from the scheduled items.
+    scheduler_remaining: dict[str, int] = {}
+    original = scheduler.schedule
+
+    def schedule():
+        for request in [*scheduler.running, *scheduler.waiting]:
+            scheduler_remaining[request.request_id] = (
+                request.num_tokens - request.num_computed_tokens
+            )
+        return original()
+
+    scheduler.schedule = schedule  # type: ignore[method-assign]
+    result = run_specs(scheduler, specs, arrive_at, observe=observe)
+    assert_matches_reference(result, specs)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         (dict(long_prefill_token_threshold=-1), "must be >= 0"),
+        (dict(max_long_partial_prefills=1), "needs long_prefill_token_threshold"),
+        (dict(max_long_partial_prefills=-1), "must be >= 0"),
         (dict(long_prefill_token_threshold=5000, max_model_len=4096), "cannot be greater"),
         (
             dict(long_prefill_token_threshold=8, enable_chunked_prefill=False,
@@ -107,7 +182,7 @@ def test_random_arrivals_with_a_cap_match_the_reference() -> None:
     ],
 )
 def test_bad_thresholds_are_refused_by_name(options: dict, message: str) -> None:
-    with pytest.raises(ValueError, match="long_prefill_token_threshold") as error:
+    with pytest.raises(ValueError, match="long_prefill|long_partial") as error:
         SchedulerConfig(**options)
     assert message in str(error.value)
 
@@ -128,8 +203,10 @@ def test_command_line_flags_reach_the_engine_options() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     options = engine_options(parser.parse_args(
-        ["--long-prefill-token-threshold", "512", "--long-prefill-token-threshold-adaptive"]
+        ["--long-prefill-token-threshold", "512", "--long-prefill-token-threshold-adaptive",
+         "--max-long-partial-prefills", "1"]
     ))
     assert options["long_prefill_token_threshold"] == 512
+    assert options["max_long_partial_prefills"] == 1
     assert options["long_prefill_token_threshold_adaptive"] is True
     assert engine_options(parser.parse_args([]))["long_prefill_token_threshold"] == 0
