@@ -58,6 +58,8 @@ class SimConfig:
             "max_model_len": s.max_model_len,
             "enable_chunked_prefill": s.enable_chunked_prefill,
             "scheduling_policy": s.scheduling_policy,
+            "long_prefill_token_threshold": s.long_prefill_token_threshold,
+            "max_long_partial_prefills": s.max_long_partial_prefills,
             "block_size": self.block_size,
             "num_kv_blocks": self.num_kv_blocks,
             "enable_prefix_caching": self.enable_prefix_caching,
