@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 BATCHING_MODES = ("continuous", "static")
 # KV cache element type; "auto" follows the model's dtype, "int8" stores each token's K/V
@@ -20,6 +21,19 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _require_types(record: object, ints: tuple[str, ...], bools: tuple[str, ...] = ()) -> None:
+    """ValueError naming the field for an int option given as a float, string or bool (32.5
+    would otherwise fail later, deep in a step) or a bool option given as anything else."""
+    for name in ints:
+        value = getattr(record, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    for name in bools:
+        value = getattr(record, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,12 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 0
 
     def __post_init__(self) -> None:
+        _require_types(
+            self,
+            ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+             "long_prefill_token_threshold", "max_long_partial_prefills"),
+            ("enable_chunked_prefill", "long_prefill_token_threshold_adaptive"),
+        )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= 1,
@@ -85,6 +105,13 @@ class SchedulerConfig:
             "max_long_partial_prefills needs long_prefill_token_threshold > 0 (the prompt "
             "length above which a prompt is long)",
         )
+        _require(
+            not self.long_prefill_token_threshold_adaptive
+            or (self.long_prefill_token_threshold > 0 and self.max_long_partial_prefills == 0),
+            "long_prefill_token_threshold_adaptive floors the cap of "
+            "long_prefill_token_threshold: it needs a threshold > 0 and no "
+            "max_long_partial_prefills (whose long prompts are not capped)",
+        )
         if not self.enable_chunked_prefill:
             _require(
                 self.max_num_batched_tokens >= self.max_model_len,
@@ -106,6 +133,7 @@ class CacheConfig:
     cache_dtype: str = "auto"  # engine option kv_cache_dtype, as in vLLM
 
     def __post_init__(self) -> None:
+        _require_types(self, ("block_size", "num_kv_blocks"), ("enable_prefix_caching",))
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _require(
             self.cache_dtype in KV_CACHE_DTYPES,

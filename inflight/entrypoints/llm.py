@@ -24,7 +24,8 @@ class LLM:
     wheel). Keyword options follow vLLM's engine arguments: ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
     ``kv_cache_memory_bytes``, ``enable_chunked_prefill``, ``long_prefill_token_threshold``
-    (and ``long_prefill_token_threshold_adaptive``), ``scheduling_policy``, ``dtype``,
+    (and ``long_prefill_token_threshold_adaptive``), ``max_long_partial_prefills``,
+    ``scheduling_policy``, ``dtype``,
     ``device``, ``seed``, ``max_waiting_requests`` (``generate`` then feeds its prompts as
     room frees; :meth:`LLMEngine.add_request` refuses beyond it), plus
     ``batching="static"`` for the baseline and ``record_trace=True`` to keep a

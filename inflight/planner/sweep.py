@@ -29,6 +29,8 @@ ENGINE_KEYS: dict[str, type] = {
     "kv_cache_memory_bytes": int,
     "block_size": int,
     "max_model_len": int,
+    "long_prefill_token_threshold": int,
+    "max_long_partial_prefills": int,
 }
 MS = 1000.0
 

@@ -10,7 +10,7 @@ import random
 import pytest
 from fake_engine import Spec, assert_matches_reference, make_scheduler, run_specs
 
-from inflight.config import SchedulerConfig, make_engine_config
+from inflight.config import CacheConfig, SchedulerConfig, make_engine_config
 from inflight.core.prefill_cap import PrefillCap
 
 
@@ -173,6 +173,16 @@ def test_random_arrivals_with_a_long_limit_match_the_reference(max_long: int) ->
         (dict(long_prefill_token_threshold=-1), "must be >= 0"),
         (dict(max_long_partial_prefills=1), "needs long_prefill_token_threshold"),
         (dict(max_long_partial_prefills=-1), "must be >= 0"),
+        (dict(long_prefill_token_threshold=32.5), "must be an integer"),
+        (dict(long_prefill_token_threshold="32"), "must be an integer"),
+        (dict(long_prefill_token_threshold=True), "must be an integer"),
+        (dict(long_prefill_token_threshold_adaptive="yes"), "True or False"),
+        (dict(long_prefill_token_threshold_adaptive=True), "needs a threshold > 0"),
+        (
+            dict(long_prefill_token_threshold=8, max_long_partial_prefills=1,
+                 long_prefill_token_threshold_adaptive=True),
+            "no max_long_partial_prefills",
+        ),
         (dict(long_prefill_token_threshold=5000, max_model_len=4096), "cannot be greater"),
         (
             dict(long_prefill_token_threshold=8, enable_chunked_prefill=False,
@@ -210,3 +220,20 @@ def test_command_line_flags_reach_the_engine_options() -> None:
     assert options["max_long_partial_prefills"] == 1
     assert options["long_prefill_token_threshold_adaptive"] is True
     assert engine_options(parser.parse_args([]))["long_prefill_token_threshold"] == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: SchedulerConfig(max_num_seqs=4.5), "max_num_seqs"),
+        (lambda: SchedulerConfig(max_num_batched_tokens="512"), "max_num_batched_tokens"),
+        (lambda: SchedulerConfig(enable_chunked_prefill=1), "enable_chunked_prefill"),
+        (lambda: CacheConfig(block_size=16.0), "block_size"),
+        (lambda: CacheConfig(num_kv_blocks="64"), "num_kv_blocks"),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused_by_name(make, name: str) -> None:
+    """A float or string where an integer belongs would otherwise pass validation and
+    fail later, deep inside a step, with a bare TypeError."""
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        make()
