@@ -55,7 +55,7 @@ class PrefillCap:
         return StepPrefills(
             cap=self.for_step(num_requests),
             threshold=self.threshold,
-            long_left=self.max_long if self.max_long > 0 and self.threshold > 0 else None,
+            long_left=self.max_long if self.max_long > 0 else None,  # config: threshold > 0
         )
 
 
