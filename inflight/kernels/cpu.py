@@ -292,3 +292,24 @@ def peak_gflops(kind: str, seconds: float) -> float:
     """GFLOP/s this CPU's threads reach in a register-only loop of ``kind`` ("fp32_fma" or
     "bf16_dot") for ``seconds`` (see csrc/peak_probe.cpp); 0 when the CPU lacks it."""
     return float(torch.ops.inflight.peak_gflops(kind, seconds))
+
+
+@cache
+def gguf_amx_linear_available() -> bool:
+    """Whether this build has the 4-bit GGUF AMX linear (AMX tiles, AVX512-BF16, granted)."""
+    return available() and bool(torch.ops.inflight.gguf_amx_linear_available())
+
+
+def gguf_amx_pack(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """GGUF Q4_0 / Q4_1 blocks ``[N, row_bytes]`` (N a multiple of 32, K of 64) -> the
+    layout :func:`gguf_amx_linear` streams (see csrc/gguf_amx_linear.cpp)."""
+    return torch.ops.inflight.gguf_amx_pack(blocks, ggml_type)
+
+
+def gguf_amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, float32_out: bool = False
+) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ W.T -> [M, N]`` with AMX tiles, W as :func:`gguf_amx_pack`'s
+    4-bit blocks rounded to bfloat16: bit-identical to :func:`amx_linear` on the dense
+    bfloat16 weight, from a quarter of its bytes."""
+    return torch.ops.inflight.gguf_amx_linear(x, packed, out_features, float32_out)

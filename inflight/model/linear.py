@@ -2,7 +2,8 @@
 
 A ``Linear`` always has its dense weight; on the CPU it may also hold oneDNN's blocked copy
 (bfloat16), bfloat16 pair tiles for ``csrc/bf16_linear.cpp`` (mid-sized steps, no AMX) or AMX
-tiles for ``csrc/amx_linear.cpp`` (mid-sized steps, AMX), the
+tiles for ``csrc/amx_linear.cpp`` (mid-sized steps, AMX) with 4-bit GGUF blocks for
+``csrc/gguf_amx_linear.cpp`` (their decode-sized steps), the
 GGUF blocks of a quantised checkpoint (small steps) or an int8 copy (``quantization="w8a8"``).
 """
 
@@ -43,6 +44,10 @@ class Linear(nn.Module):
         # The weight as AMX B tiles for steps of up to amx_max_rows rows (see use_amx_weight).
         self.amx: torch.Tensor | None = None
         self.amx_max_rows = 0
+        # The GGUF 4-bit blocks laid out for AMX tiles, for bfloat16 steps of up to
+        # gguf_amx_max_rows rows (see use_gguf_amx).
+        self.gguf_amx: torch.Tensor | None = None
+        self.gguf_amx_max_rows = 0
         # (int8 weight [out, in], float32 scale [out], input column multipliers [in] or
         # None) for dynamic W8A8 (see use_int8).
         self.int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -101,6 +106,20 @@ class Linear(nn.Module):
         self.amx = cpu_kernels.amx_pack(self.weight.detach())
         self.amx_max_rows = max_rows
 
+    def use_gguf_amx(self, blocks: QuantizedWeight, max_rows: int) -> None:
+        """Also keep 4-bit GGUF blocks (Q4_0, Q4_1; the checkpoint's own, not repacked for
+        another kernel) for ``csrc/gguf_amx_linear.cpp``: bfloat16 steps of up to
+        ``max_rows`` rows then read them, rounded to bfloat16 in registers, instead of the
+        dense bfloat16 weight: the same outputs bit for bit, a quarter of the bytes. A no-op
+        for other types, shapes it does not take (out_features not a multiple of 32,
+        in_features not of 64) and layers with a bias."""
+        out_features, in_features = self.weight.shape
+        if (blocks.ggml_type not in _FOUR_BIT_TYPES or self.bias is not None
+                or out_features % 32 or in_features % 64):
+            return
+        self.gguf_amx = cpu_kernels.gguf_amx_pack(blocks.blocks, blocks.ggml_type)
+        self.gguf_amx_max_rows = max_rows
+
     def _own_kernel(self, x: torch.Tensor, float32_out: bool) -> torch.Tensor | None:
         """This step through csrc/bf16_linear.cpp or csrc/amx_linear.cpp, where the layer
         holds their weight form and the step is within its rows; else None."""
@@ -109,6 +128,10 @@ class Linear(nn.Module):
         if self.pairs is not None and x.shape[0] <= self.pair_max_rows:
             return cpu_kernels.bf16_linear(
                 x.contiguous(), self.pairs, self.weight.shape[0], float32_out=float32_out
+            )
+        if self.gguf_amx is not None and x.shape[0] <= self.gguf_amx_max_rows:
+            return cpu_kernels.gguf_amx_linear(
+                x.contiguous(), self.gguf_amx, self.weight.shape[0], float32_out=float32_out
             )
         if self.amx is not None and x.shape[0] <= self.amx_max_rows:
             return cpu_kernels.amx_linear(
@@ -130,7 +153,7 @@ class Linear(nn.Module):
             weight = weight * smooth
             smooth_inv = (1.0 / smooth).float().contiguous()
         self.int8 = (*cpu_kernels.int8_quantize_weight(weight), smooth_inv)
-        self.packed = self.pairs = self.amx = None
+        self.packed = self.pairs = self.amx = self.gguf_amx = None
         # The dense weight is not read again: keep its shape and dtype (FLOP counts, the
         # activation dtype) without its memory (the decoder linears are 4/5 of the model).
         shape, dtype = self.weight.shape, self.weight.dtype

@@ -260,25 +260,39 @@ class LlamaForCausalLM(nn.Module):
         With ``bf16_dot`` the decoder layers' 4-bit blocks are computed with bfloat16 dot
         products (see ``Linear.use_blocks``); the output layer keeps float32 activations."""
         self.block_max_rows = max_rows
+        for linear, blocks in self._linear_blocks(quantized):
+            # the output layer keeps float32 activations
+            linear.use_blocks(blocks, max_rows, bf16_dot and linear is not self.lm_head)
+
+    def use_gguf_amx_weights(self, quantized: Mapping[str, QuantizedWeight], max_rows: int) -> None:
+        """Let bfloat16 steps of up to ``max_rows`` tokens read each decoder linear's 4-bit
+        GGUF blocks with AMX tiles (``Linear.use_gguf_amx``: bit-identical to the dense
+        bfloat16 weight's AMX kernel, a quarter of the bytes). Call after the AMX weights."""
+        for linear, blocks in self._linear_blocks(quantized):
+            if linear is not self.lm_head and blocks is not None and linear.amx is not None:
+                linear.use_gguf_amx(blocks, max_rows)
+
+    def _linear_blocks(
+        self, quantized: Mapping[str, QuantizedWeight]
+    ) -> list[tuple[Linear, QuantizedWeight | None]]:
+        """Each linear layer with its GGUF blocks, fused like the dense weights (None where
+        a part is missing or the parts differ in type)."""
         embed = "model.embed_tokens.weight"
         head = embed if self.arch.tie_word_embeddings else "lm_head.weight"
-        self.lm_head.use_blocks(_fused_blocks(quantized, [head]), max_rows)
+        pairs: list[tuple[Linear, QuantizedWeight | None]] = [
+            (self.lm_head, _fused_blocks(quantized, [head]))
+        ]
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            layer.self_attn.qkv_proj.use_blocks(
-                _fused_blocks(quantized, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
-                max_rows, bf16_dot,
-            )
-            layer.self_attn.o_proj.use_blocks(
-                _fused_blocks(quantized, [p + "self_attn.o_proj.weight"]), max_rows, bf16_dot
-            )
-            layer.mlp.gate_up_proj.use_blocks(
-                _fused_blocks(quantized, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                max_rows, bf16_dot,
-            )
-            layer.mlp.down_proj.use_blocks(
-                _fused_blocks(quantized, [p + "mlp.down_proj.weight"]), max_rows, bf16_dot
-            )
+            pairs += [
+                (layer.self_attn.qkv_proj,
+                 _fused_blocks(quantized, [p + f"self_attn.{x}_proj.weight" for x in "qkv"])),
+                (layer.self_attn.o_proj, _fused_blocks(quantized, [p + "self_attn.o_proj.weight"])),
+                (layer.mlp.gate_up_proj,
+                 _fused_blocks(quantized, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])),
+                (layer.mlp.down_proj, _fused_blocks(quantized, [p + "mlp.down_proj.weight"])),
+            ]
+        return pairs
 
     @torch.no_grad()
     def load_hf_weights(
