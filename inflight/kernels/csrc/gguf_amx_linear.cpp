@@ -23,14 +23,20 @@
 //
 // Why: on the Intel Xeon with AMX this project measures (2 cores), a decode step's linears
 // read every weight from memory once; at 9-128 rows amx_linear streams SmolLM2's 212 MB of
-// bfloat16 decoder weights at ~20 GB/s (12-20 ms a step), where these blocks are 80 MB.
+// bfloat16 decoder weights at ~20 GB/s (10-26 ms a step), where these blocks are 80 MB.
+// Measured there (120 fused decoder linears, weights from DRAM): 1.20-1.25x amx_linear's
+// speed at 1-16 rows, 1.10-1.18x at 64-128, 0.92-0.96x at 192-256; dequantising costs
+// ~3 ns per 64 weights on a core and does not overlap the DRAM reads well, so the gain is
+// far from the 2.7x in bytes.
 //
 // How: the weight is the A operand (16 output features x 32 of K per tile: a column's
 // dequantised 32 weights are one tile row, with no transposes), x^T the B operand (16
-// pair rows of K x 16 tokens, built once per call). Per strip pair (32 features), all of K
-// is dequantised into a per-thread scratch of A tiles (a 16-entry bfloat16 table per block,
-// looked up with one vpermw per 32 weights), then every block of 32 tokens runs 2 x 2 tile
-// accumulators over it. Accumulators hold y^T; they are transposed on the way out.
+// pair rows of K x 16 tokens, built once per call). A thread's strip pairs (32 features)
+// go in turn; each is dequantised into one of two per-thread scratches of A tiles (a
+// 16-entry bfloat16 table per block, looked up with one vpermw per 32 weights) while the
+// previous one's tiles are multiplied, every block of 32 tokens with 2 x 2 tile
+// accumulators, and the pair after that is fetched into L2 (software prefetch, 1.05-1.1x).
+// Accumulators hold y^T; they are transposed on the way out.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -163,7 +169,7 @@ void token_block(const at::BFloat16* a, const at::BFloat16* xt, int64_t ksteps, 
   for (int64_t k = 0; k < ksteps; ++k) {
     const int64_t unit = unit_begin + k / 2;
     if (next != nullptr && k % 2 == 0 && unit < unit_end) {
-      if (after_next != nullptr) {  // the same unit of the pair after into L2 (see top)
+      if (after_next != nullptr) {  // the same unit of the pair after, into L2
         for (int64_t s = 0; s < 2; ++s) {
           const char* u = reinterpret_cast<const char*>(
               after_next + (s * units_per_strip + unit) * kStrip * kUnitBytes);
