@@ -195,6 +195,23 @@ def amx_linear(
     return torch.ops.inflight.amx_linear(x, packed, out_features, float32_out)
 
 
+def decode_stack_tiles(
+    layer_tensors: list[torch.Tensor], out_features: list[int], eps: float,
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+    k_scales: list[torch.Tensor], v_scales: list[torch.Tensor],
+    num_heads: int, num_kv_heads: int, scale: float,
+) -> torch.ScriptObject:
+    """:func:`decode_stack` for bfloat16 steps whose decoder linears read 4-bit blocks with
+    AMX tiles: ``layer_tensors`` holds :func:`gguf_amx_pack`'s blocks in place of the GGUF
+    blocks, ``out_features`` the projections' output sizes (4 a layer). The attention
+    takes the queries as ``torch_paged._varlen`` does (bfloat16 where bfloat16 dot
+    products pay, else widened to float32)."""
+    return torch.classes.inflight.DecodeStackTiles(
+        layer_tensors, out_features, eps, k_caches, v_caches, k_scales, v_scales,
+        num_heads, num_kv_heads, scale, int8_query_dots(), bf16_dots_pay(),
+    )
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
     add: torch.Tensor | None = None,

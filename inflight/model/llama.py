@@ -7,6 +7,7 @@ K/V through the paged cache. Q/K/V and gate/up projections are fused into single
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 
 import torch
@@ -17,7 +18,7 @@ from inflight.attention.metadata import AttentionMetadata
 from inflight.attention.torch_paged import paged_attention, write_kv
 from inflight.kernels import cpu as cpu_kernels
 from inflight.model.arch import LlamaArchConfig
-from inflight.model.fused_decode import FusedDecode
+from inflight.model.fused_decode import FusedDecode, FusedDecodeTiles
 from inflight.model.linear import Linear
 from inflight.model.loader import QuantizedWeight
 from inflight.worker.kv_cache import LayerKVCache
@@ -203,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.block_max_rows = 0  # see use_quantized_weights
         self.fused_decode: FusedDecode | None = None  # see use_fused_decode
+        self.fused_decode_tiles: FusedDecodeTiles | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -224,15 +226,24 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_decode is not None and self.fused_decode.applies(x.shape[0], metadata):
             pending = self.fused_decode.run(self, x, positions, kv_caches, metadata)
             return self.norm(x, act_dtype, add=pending)
+        tiles = self.fused_decode_tiles
+        if tiles is not None and tiles.applies(x.shape[0], metadata, self.block_max_rows):
+            pending = tiles.run(self, x, positions, kv_caches, metadata)
+            return self.norm(x, act_dtype, add=pending)
         pending = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             pending = layer(x, pending, positions, self.rotary, kv_cache, metadata, act_dtype)
         return self.norm(x, act_dtype, add=pending)
 
     def use_fused_decode(self) -> None:
-        """Run each layer of small decode steps as one C++ call where the layers allow it
-        (see ``model/fused_decode``). Call once the weights are final."""
+        """Run all layers of a decode step as one C++ call where the layers allow it (see
+        ``model/fused_decode``); ``INFLIGHT_FUSED_DECODE=0`` keeps the layer-by-layer path
+        (the same outputs, bit for bit). Call once the weights are final."""
+        if os.environ.get("INFLIGHT_FUSED_DECODE", "1") == "0":
+            self.fused_decode = self.fused_decode_tiles = None
+            return
         self.fused_decode = FusedDecode.build(self)
+        self.fused_decode_tiles = FusedDecodeTiles.build(self)
 
     def activation_dtype(self, num_tokens: int) -> torch.dtype:
         """The matmuls' input dtype for a step of ``num_tokens``: the weights' dtype, except

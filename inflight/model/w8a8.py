@@ -158,4 +158,5 @@ def quantize_linears(
             smooth = None if act_max is None else smoothing_factors(act_max, module.weight, alpha)
             module.use_int8(smooth)
             count += 1
+    model.use_fused_decode()  # without the blocks' AMX tiles the int8 layers now take
     return count

@@ -48,3 +48,42 @@ def test_fused_decode_is_bit_identical(
     unfused = run(llm)
     assert not calls
     assert fused == unfused
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_tiles_decode_stack_is_bit_identical(
+    monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
+) -> None:
+    """bfloat16 decode steps past the block kernel's rows (here 12 sequences) whose linears
+    read 4-bit blocks on AMX tiles: one C++ call (DecodeStackTiles) against the modules."""
+    from helpers.prompts import PROMPTS as ALL
+    from inflight.model.fused_decode import FusedDecodeTiles
+
+    if not cpu_kernels.gguf_amx_linear_available():
+        pytest.skip("the 4-bit AMX linear needs AMX tiles")
+    llm = LLM(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    model = llm.llm_engine.runner.model
+    assert model.fused_decode_tiles is not None, "the default model's linears take the tiles"
+    prompts = (ALL * 3)[:12]
+    assert len(prompts) > model.block_max_rows
+    calls = []
+    real = FusedDecodeTiles.run
+    monkeypatch.setattr(
+        FusedDecodeTiles, "run", lambda *a: calls.append(1) or real(*a)  # type: ignore[func-returns-value]
+    )
+
+    def generate() -> list[tuple[list[int], list[dict[int, float]]]]:
+        outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        return [
+            (list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []])
+            for o in outputs
+        ]
+
+    fused = generate()
+    assert len(calls) >= PARAMS.max_tokens - 1  # every decode step of the 12
+    model.fused_decode_tiles = None
+    calls.clear()
+    unfused = generate()
+    assert not calls
+    assert fused == unfused

@@ -52,6 +52,7 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const std::optional<at::Tensor>&,
                                const std::optional<at::Tensor>&, bool);
 using SiluMulFn = at::Tensor(const at::Tensor&);
+using GgufAmxFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> find(const char* name) {
@@ -60,6 +61,47 @@ c10::TypedOperatorHandle<Fn> find(const char* name) {
 
 constexpr int64_t kTensorsPerLayer = 6;
 constexpr int64_t kTypesPerLayer = 4;
+
+// The layers of one decode step, as the Python modules run them: `linear(in, layer, which)`
+// is the layer's qkv (0), o (1), gate_up (2) or down (3) projection; norms and the matmuls'
+// inputs are in `act` (float32 for the GGUF block kernel, bfloat16 for the AMX tiles);
+// with `widen_queries` the attention takes float32 queries (torch_paged._varlen's choice
+// where bfloat16 dot products do not pay) and its output is rounded back to `act`.
+template <typename Stack, typename LinearFn>
+at::Tensor run_layers(Stack& st, LinearFn linear, at::ScalarType act, bool widen_queries,
+                      at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& query_start,
+                      const at::Tensor& seq_lens) {
+  static const auto rms_norm = find<RmsNormFn>("inflight::rms_norm");
+  static const auto rope_write_kv = find<RopeFn>("inflight::rope_write_kv");
+  static const auto paged_attention = find<AttentionFn>("inflight::paged_attention");
+  static const auto silu_mul = find<SiluMulFn>("inflight::silu_mul");
+  std::optional<at::Tensor> pending;
+  for (size_t i = 0; i < st.k_caches.size(); ++i) {
+    const at::Tensor* w = st.layer_tensors.data() + kTensorsPerLayer * i;
+    std::optional<at::Tensor> k_scale, v_scale;
+    if (!st.k_scales.empty()) {
+      k_scale = st.k_scales[i];
+      v_scale = st.v_scales[i];
+    }
+    const at::Tensor h = rms_norm.call(x, w[0], st.eps, act, pending);
+    const at::Tensor qkv = linear(h, i, 0);
+    const auto q_k = rope_write_kv.call(qkv, positions, cos, sin, st.k_caches[i], st.v_caches[i],
+                                        slot_mapping, st.num_heads, st.num_kv_heads, k_scale,
+                                        v_scale);
+    const at::Tensor& q = std::get<0>(q_k);
+    at::Tensor attn = paged_attention.call(
+        (widen_queries ? q.to(at::kFloat) : q).contiguous(), st.k_caches[i], st.v_caches[i],
+        block_tables, query_start, seq_lens, st.scale, k_scale, v_scale, st.int8_dots);
+    if (attn.scalar_type() != act) attn = attn.to(act);
+    const at::Tensor o = linear(attn.reshape({x.size(0), -1}).contiguous(), i, 1);
+    const at::Tensor h2 = rms_norm.call(x, w[1], st.eps, act, o);
+    const at::Tensor gate_up = linear(h2, i, 2);
+    pending = linear(silu_mul.call(gate_up).contiguous(), i, 3);
+  }
+  return *pending;
+}
 
 struct DecodeStack : torch::CustomClassHolder {
   std::vector<at::Tensor> layer_tensors;
@@ -94,36 +136,61 @@ struct DecodeStack : torch::CustomClassHolder {
                  const at::Tensor& sin, const at::Tensor& slot_mapping,
                  const at::Tensor& block_tables, const at::Tensor& query_start,
                  const at::Tensor& seq_lens) {
-    static const auto rms_norm = find<RmsNormFn>("inflight::rms_norm");
     static const auto gguf_matmul = find<GgufMatmulFn>("inflight::gguf_matmul");
-    static const auto rope_write_kv = find<RopeFn>("inflight::rope_write_kv");
-    static const auto paged_attention = find<AttentionFn>("inflight::paged_attention");
-    static const auto silu_mul = find<SiluMulFn>("inflight::silu_mul");
+    auto linear = [&](const at::Tensor& in, size_t layer, int64_t which) {
+      return gguf_matmul.call(in, layer_tensors[kTensorsPerLayer * layer + 2 + which],
+                              layer_types[kTypesPerLayer * layer + which]);
+    };
+    return run_layers(*this, linear, at::kFloat, /*widen_queries=*/false, x, positions, cos,
+                      sin, slot_mapping, block_tables, query_start, seq_lens);
+  }
+};
 
-    std::optional<at::Tensor> pending;
-    for (size_t i = 0; i < k_caches.size(); ++i) {
-      const at::Tensor* w = layer_tensors.data() + kTensorsPerLayer * i;
-      const int64_t* type = layer_types.data() + kTypesPerLayer * i;
-      std::optional<at::Tensor> k_scale, v_scale;
-      if (!k_scales.empty()) {
-        k_scale = k_scales[i];
-        v_scale = v_scales[i];
-      }
-      const at::Tensor h = rms_norm.call(x, w[0], eps, at::kFloat, pending);
-      const at::Tensor qkv = gguf_matmul.call(h, w[2], type[0]);
-      const auto q_k = rope_write_kv.call(qkv, positions, cos, sin, k_caches[i], v_caches[i],
-                                          slot_mapping, num_heads, num_kv_heads, k_scale,
-                                          v_scale);
-      const at::Tensor attn = paged_attention.call(
-          std::get<0>(q_k).contiguous(), k_caches[i], v_caches[i], block_tables, query_start,
-          seq_lens, scale, k_scale, v_scale, int8_dots);
-      const at::Tensor o =
-          gguf_matmul.call(attn.reshape({x.size(0), -1}).contiguous(), w[3], type[1]);
-      const at::Tensor h2 = rms_norm.call(x, w[1], eps, at::kFloat, o);
-      const at::Tensor gate_up = gguf_matmul.call(h2, w[4], type[2]);
-      pending = gguf_matmul.call(silu_mul.call(gate_up).contiguous(), w[5], type[3]);
-    }
-    return *pending;
+// The same for bfloat16 steps whose decoder linears read 4-bit GGUF blocks with AMX tiles
+// (csrc/gguf_amx_linear.cpp): layer_tensors as DecodeStack's with gguf_amx_pack's packed
+// blocks in place of the GGUF blocks, layer_types replaced by the 4 projections' output
+// features; bf16_queries: the attention takes the bfloat16 queries as they are (else they
+// widen to float32, as torch_paged._varlen does where bfloat16 dot products do not pay).
+struct DecodeStackTiles : torch::CustomClassHolder {
+  std::vector<at::Tensor> layer_tensors;
+  std::vector<int64_t> out_features;
+  double eps;
+  std::vector<at::Tensor> k_caches, v_caches, k_scales, v_scales;
+  int64_t num_heads, num_kv_heads;
+  double scale;
+  bool int8_dots, bf16_queries;
+
+  DecodeStackTiles(std::vector<at::Tensor> tensors, std::vector<int64_t> features, double eps_,
+                   std::vector<at::Tensor> k, std::vector<at::Tensor> v,
+                   std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t heads,
+                   int64_t kv_heads, double scale_, bool int8_dots_, bool bf16_queries_)
+      : layer_tensors(std::move(tensors)), out_features(std::move(features)), eps(eps_),
+        k_caches(std::move(k)), v_caches(std::move(v)), k_scales(std::move(ks)),
+        v_scales(std::move(vs)), num_heads(heads), num_kv_heads(kv_heads), scale(scale_),
+        int8_dots(int8_dots_), bf16_queries(bf16_queries_) {
+    const int64_t layers = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK(layers > 0 &&
+                    static_cast<int64_t>(layer_tensors.size()) == kTensorsPerLayer * layers &&
+                    static_cast<int64_t>(out_features.size()) == kTypesPerLayer * layers &&
+                    static_cast<int64_t>(v_caches.size()) == layers,
+                "DecodeStackTiles: ", kTensorsPerLayer, " tensors, ", kTypesPerLayer,
+                " output sizes and one K and V cache per layer");
+    TORCH_CHECK(k_scales.size() == v_scales.size() &&
+                    (k_scales.empty() || static_cast<int64_t>(k_scales.size()) == layers),
+                "DecodeStackTiles: K/V scales for every layer (int8 caches) or for none");
+  }
+
+  at::Tensor run(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
+                 const at::Tensor& sin, const at::Tensor& slot_mapping,
+                 const at::Tensor& block_tables, const at::Tensor& query_start,
+                 const at::Tensor& seq_lens) {
+    static const auto gguf_amx_linear = find<GgufAmxFn>("inflight::gguf_amx_linear");
+    auto linear = [&](const at::Tensor& in, size_t layer, int64_t which) {
+      return gguf_amx_linear.call(in, layer_tensors[kTensorsPerLayer * layer + 2 + which],
+                                  out_features[kTypesPerLayer * layer + which], false);
+    };
+    return run_layers(*this, linear, at::kBFloat16, !bf16_queries, x, positions, cos, sin,
+                      slot_mapping, block_tables, query_start, seq_lens);
   }
 };
 
@@ -136,4 +203,10 @@ TORCH_LIBRARY_FRAGMENT(inflight, m) {
                        std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
                        double, bool>())
       .def("run", &DecodeStack::run);
+  m.class_<DecodeStackTiles>("DecodeStackTiles")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
+                       double, bool, bool>())
+      .def("run", &DecodeStackTiles::run);
 }
