@@ -14,7 +14,8 @@ calls, 3-5 ms of a 35-130 ms step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,7 +25,7 @@ from inflight.kernels import cpu as cpu_kernels
 from inflight.worker.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:
-    from inflight.model.llama import LlamaForCausalLM
+    from inflight.model.llama import Attention, LlamaForCausalLM
 
 
 @dataclass(slots=True)
@@ -36,9 +37,7 @@ class FusedDecode:
     layer_types: list[int]
     eps: float
     max_rows: int  # steps of more tokens take the matmul paths, not the block kernel
-    # the stack, and the layers' caches it was built for (held here, so compared by identity)
-    _stack: torch.ScriptObject | None = None
-    _stack_caches: tuple[LayerKVCache, ...] = ()
+    stacks: _StackCache = field(default_factory=lambda: _StackCache())
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedDecode | None:
@@ -85,30 +84,50 @@ class FusedDecode:
     ) -> torch.Tensor:
         """All layers over the residual stream ``x [T, hidden]`` (float32, updated in
         place); returns the last layer's output, still to be added by the final norm."""
+
+        def make(attn: Attention, k: list[torch.Tensor], v: list[torch.Tensor],
+                 k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> torch.ScriptObject:
+            return cpu_kernels.decode_stack(
+                self.layer_tensors, self.layer_types, self.eps, k, v, k_scales, v_scales,
+                attn.num_heads, attn.num_kv_heads, attn.scale,
+            )
+
+        return self.stacks.run(model, kv_caches, make, x, positions, metadata)
+
+
+class _StackCache:
+    """A C++ decode stack and the layers' caches it was built for (held here, so compared
+    by identity): built again only when the engine's caches change."""
+
+    __slots__ = ("stack", "caches")
+
+    def __init__(self) -> None:
+        self.stack: torch.ScriptObject | None = None
+        self.caches: tuple[LayerKVCache, ...] = ()
+
+    def run(
+        self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache],
+        make: Callable[..., torch.ScriptObject], x: torch.Tensor, positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``make(attention module, k caches, v caches, k scales, v scales)`` builds the
+        stack; its ``run`` takes the step's tensors."""
+        same = len(kv_caches) == len(self.caches) and all(
+            held is given for held, given in zip(self.caches, kv_caches, strict=True)
+        )
+        if self.stack is None or not same:
+            scales = [c for c in kv_caches if c.k_scale is not None]
+            self.stack = make(
+                model.layers[0].self_attn, [c.k for c in kv_caches], [c.v for c in kv_caches],
+                [c.k_scale for c in scales], [c.v_scale for c in scales],
+            )
+            self.caches = tuple(kv_caches)
         decode = metadata.decode
         assert isinstance(decode, VarlenGroup)
-        return self._stack_for(model, kv_caches).run(
+        return self.stack.run(
             x, positions, model.rotary.cos, model.rotary.sin, metadata.slot_mapping,
             decode.block_tables, decode.query_start, decode.seq_lens,
         )
-
-    def _stack_for(
-        self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache]
-    ) -> torch.ScriptObject:
-        same = len(kv_caches) == len(self._stack_caches) and all(
-            held is given for held, given in zip(self._stack_caches, kv_caches, strict=True)
-        )
-        if self._stack is None or not same:
-            attn = model.layers[0].self_attn
-            scales = [c for c in kv_caches if c.k_scale is not None]
-            self._stack = cpu_kernels.decode_stack(
-                self.layer_tensors, self.layer_types, self.eps,
-                [c.k for c in kv_caches], [c.v for c in kv_caches],
-                [c.k_scale for c in scales], [c.v_scale for c in scales],  # type: ignore[misc]
-                attn.num_heads, attn.num_kv_heads, attn.scale,
-            )
-            self._stack_caches = tuple(kv_caches)
-        return self._stack
 
 
 @dataclass(slots=True)
@@ -122,8 +141,7 @@ class FusedDecodeTiles:
     out_features: list[int]
     eps: float
     max_rows: int
-    _stack: torch.ScriptObject | None = None
-    _stack_caches: tuple[LayerKVCache, ...] = ()
+    stacks: _StackCache = field(default_factory=lambda: _StackCache())
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedDecodeTiles | None:
@@ -170,27 +188,12 @@ class FusedDecodeTiles:
         kv_caches: list[LayerKVCache], metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """As :meth:`FusedDecode.run`."""
-        decode = metadata.decode
-        assert isinstance(decode, VarlenGroup)
-        return self._stack_for(model, kv_caches).run(
-            x, positions, model.rotary.cos, model.rotary.sin, metadata.slot_mapping,
-            decode.block_tables, decode.query_start, decode.seq_lens,
-        )
 
-    def _stack_for(
-        self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache]
-    ) -> torch.ScriptObject:
-        same = len(kv_caches) == len(self._stack_caches) and all(
-            held is given for held, given in zip(self._stack_caches, kv_caches, strict=True)
-        )
-        if self._stack is None or not same:
-            attn = model.layers[0].self_attn
-            scales = [c for c in kv_caches if c.k_scale is not None]
-            self._stack = cpu_kernels.decode_stack_tiles(
-                self.layer_tensors, self.out_features, self.eps,
-                [c.k for c in kv_caches], [c.v for c in kv_caches],
-                [c.k_scale for c in scales], [c.v_scale for c in scales],  # type: ignore[misc]
+        def make(attn: Attention, k: list[torch.Tensor], v: list[torch.Tensor],
+                 k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> torch.ScriptObject:
+            return cpu_kernels.decode_stack_tiles(
+                self.layer_tensors, self.out_features, self.eps, k, v, k_scales, v_scales,
                 attn.num_heads, attn.num_kv_heads, attn.scale,
             )
-            self._stack_caches = tuple(kv_caches)
-        return self._stack
+
+        return self.stacks.run(model, kv_caches, make, x, positions, metadata)

@@ -54,15 +54,7 @@ constexpr int64_t kDepth = 32;       // K per tile (16 pairs)
 using inflight_amx::tile_permission;
 
 // Tiles 0-3: float32 accumulators C[i][j] (16 x 16), 4-5: A (16 rows x 32 bfloat16),
-// 6-7: B (16 pair rows x 16 columns x 2). All 16 rows of 64 bytes.
-void load_tile_config() {
-  inflight_amx::TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
+// 6-7: B (16 pair rows x 16 columns x 2): inflight_amx::load_full_tiles.
 
 // One 16 x 16 float32 tile (row stride 16) into y's rows [0, rows), columns [0, 16).
 template <typename out_t>
@@ -215,7 +207,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t pairs = N / 32;
   auto run = [&](auto* yp) {
     at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-      load_tile_config();
+      inflight_amx::load_full_tiles();
       strip_pairs(xp, M, K, tail.data(), wp, begin, end, yp, N);
       _tile_release();
     });

@@ -32,5 +32,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Eight tiles of 16 rows x 64 bytes (16 x 16 float32 or 16 x 32 bfloat16 each), the shape
+// the linear kernels use for every tile.
+inline void load_full_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
 }  // namespace inflight_amx
 #endif

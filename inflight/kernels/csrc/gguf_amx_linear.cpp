@@ -70,15 +70,6 @@ inline float half_at(const uint8_t* p) {
 
 #if defined(INFLIGHT_AMX)
 
-void load_tile_config() {
-  inflight_amx::TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
 // 64 of K (unit kp) of one strip pair's weights (features 32 p .. 32 p + 31) into A tiles:
 // scratch[(k * 2 + s) * 512 ...] is tile (k-step k, strip s): 16 rows of 32 bfloat16.
 inline void dequantize_unit(const uint8_t* strips, int64_t units_per_strip, int64_t kp,
@@ -121,12 +112,14 @@ void build_xt(const at::BFloat16* x, int64_t M, int64_t K, int64_t tiles, at::BF
       const int64_t k = w / tiles, t = w % tiles;
       const int64_t valid = std::min<int64_t>(16, M - 16 * t);
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-      const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(static_cast<int32_t>(row_dwords)));
+      const __m512i rows = _mm512_mullo_epi32(
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+          _mm512_set1_epi32(static_cast<int32_t>(row_dwords)));
       const int32_t* base = x32 + (16 * t) * row_dwords + 16 * k;
       auto* out = reinterpret_cast<int32_t*>(xt + w * 512);
       for (int64_t r = 0; r < 16; ++r) {
-        const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, base + r, 4);
+        const __m512i v =
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, base + r, 4);
         _mm512_store_si512(out + r * 16, v);
       }
     }
@@ -158,7 +151,8 @@ inline void store_transposed(const float* tile, int64_t tokens, out_t* y, int64_
 template <bool ONE_TOKEN_TILE, typename out_t>
 void token_block(const at::BFloat16* a, const at::BFloat16* xt, int64_t ksteps, int64_t tiles,
                  int64_t t0, int64_t M, out_t* y, int64_t N, int64_t f0, const uint8_t* next,
-                 const uint8_t* after_next, int64_t units_per_strip, int64_t unit_begin, int64_t unit_end,
+                 const uint8_t* after_next, int64_t units_per_strip, int64_t unit_begin,
+                 int64_t unit_end,
                  at::BFloat16* next_a) {
   _tile_zero(0);
   _tile_zero(1);
@@ -280,7 +274,8 @@ at::Tensor gguf_amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_
   auto y = at::empty({M, N}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
 #if defined(INFLIGHT_AMX) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-  TORCH_CHECK(inflight_amx::tile_permission(), "the OS did not grant AMX tile data to this process");
+  TORCH_CHECK(inflight_amx::tile_permission(),
+              "the OS did not grant AMX tile data to this process");
   const int64_t ksteps = K / 32, units = K / 64, tiles = (M + 15) / 16;
   auto xt = at::empty({ksteps * tiles * 512}, x.options());
   build_xt(x.data_ptr<at::BFloat16>(), M, K, tiles, xt.data_ptr<at::BFloat16>());
@@ -294,8 +289,9 @@ at::Tensor gguf_amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_
       // one while the tiles of the other are multiplied.
       at::BFloat16* scratch = scratch_tiles(2 * ksteps * 2 * 512);
       at::BFloat16* a[2] = {scratch, scratch + ksteps * 2 * 512};
-      load_tile_config();
-      for (int64_t kp = 0; kp < units; ++kp) dequantize_unit(wp + begin * pair_bytes, units, kp, a[0]);
+      inflight_amx::load_full_tiles();
+      for (int64_t kp = 0; kp < units; ++kp)
+        dequantize_unit(wp + begin * pair_bytes, units, kp, a[0]);
       const int64_t blocks = (tiles + 1) / 2;
       // Each token block dequantises its share of the next pair's units.
       const int64_t share = (units + blocks - 1) / blocks;
@@ -307,9 +303,11 @@ at::Tensor gguf_amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t t = 2 * b, u0 = b * share, u1 = std::min(units, u0 + share);
           if (t + 2 <= tiles) {
-            token_block<false>(cur, xtp, ksteps, tiles, t, M, yp, N, 32 * p, next, after_next, units, u0, u1, nxt);
+            token_block<false>(cur, xtp, ksteps, tiles, t, M, yp, N, 32 * p, next, after_next,
+                               units, u0, u1, nxt);
           } else {
-            token_block<true>(cur, xtp, ksteps, tiles, t, M, yp, N, 32 * p, next, after_next, units, u0, u1, nxt);
+            token_block<true>(cur, xtp, ksteps, tiles, t, M, yp, N, 32 * p, next, after_next,
+                              units, u0, u1, nxt);
           }
         }
       }
