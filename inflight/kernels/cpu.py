@@ -328,5 +328,5 @@ def gguf_amx_linear(
 ) -> torch.Tensor:
     """``x [M, K] bfloat16 @ W.T -> [M, N]`` with AMX tiles, W as :func:`gguf_amx_pack`'s
     4-bit blocks rounded to bfloat16: bit-identical to :func:`amx_linear` on the dense
-    bfloat16 weight, from a quarter of its bytes."""
+    bfloat16 weight, from 6 bits a weight instead of 16."""
     return torch.ops.inflight.gguf_amx_linear(x, packed, out_features, float32_out)

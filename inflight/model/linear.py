@@ -110,9 +110,9 @@ class Linear(nn.Module):
         """Also keep 4-bit GGUF blocks (Q4_0, Q4_1; the checkpoint's own, not repacked for
         another kernel) for ``csrc/gguf_amx_linear.cpp``: bfloat16 steps of up to
         ``max_rows`` rows then read them, rounded to bfloat16 in registers, instead of the
-        dense bfloat16 weight: the same outputs bit for bit, a quarter of the bytes. A no-op
-        for other types, shapes it does not take (out_features not a multiple of 32,
-        in_features not of 64) and layers with a bias."""
+        dense bfloat16 weight: the same outputs bit for bit, from 6 bits a weight instead
+        of 16. A no-op for other types, shapes it does not take (out_features not a
+        multiple of 32, in_features not of 64) and layers with a bias."""
         out_features, in_features = self.weight.shape
         if (blocks.ggml_type not in _FOUR_BIT_TYPES or self.bias is not None
                 or out_features % 32 or in_features % 64):

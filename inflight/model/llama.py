@@ -278,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
     def use_gguf_amx_weights(self, quantized: Mapping[str, QuantizedWeight], max_rows: int) -> None:
         """Let bfloat16 steps of up to ``max_rows`` tokens read each decoder linear's 4-bit
         GGUF blocks with AMX tiles (``Linear.use_gguf_amx``: bit-identical to the dense
-        bfloat16 weight's AMX kernel, a quarter of the bytes). Call after the AMX weights."""
+        bfloat16 weight's AMX kernel, from 6 bits a weight instead of 16). Call after the
+        AMX weights."""
         for linear, blocks in self._linear_blocks(quantized):
             if linear is not self.lm_head and blocks is not None and linear.amx is not None:
                 linear.use_gguf_amx(blocks, max_rows)

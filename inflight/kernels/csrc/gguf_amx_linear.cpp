@@ -1,6 +1,6 @@
 // y = x @ W.T with AMX tiles, W read as 4-bit GGUF blocks (Q4_0, Q4_1) and rounded to
 // bfloat16 in registers: the same products as csrc/amx_linear.cpp on the dense bfloat16
-// weight, from a quarter of its bytes.
+// weight, from 6 bits a weight instead of 16.
 //
 //   gguf_amx_pack(blocks, qtype) -> packed      once, at load time
 //   gguf_amx_linear(x, packed, N, float32_out) -> y
