@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Benchmark scripts run as modules: checked to exist (each takes minutes on the real model).
 BENCH_MODULES = {
     "inflight.bench.block_matmul", "inflight.bench.structured_cost", "inflight.bench.dp_scaling",
-    "inflight.bench.rate_plot", "inflight.bench.decode_attention",
+    "inflight.bench.rate_plot", "inflight.bench.decode_attention", "inflight.bench.amx_linear",
 }
 INFLIGHT = {".venv/bin/inflight", "INFLIGHT_DIR/.venv/bin/inflight"}
 # The tiny model has no chat template: this one joins the messages' contents.
