@@ -285,6 +285,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.inflight.silu_mul(gate_up)
 
 
+BF16_DOTS_LEAD = 1.25  # how much faster bfloat16 dot products must be to be chosen
+
+
 @cache
 def bf16_dots_pay() -> bool:
     """Whether bfloat16 dot products (vdpbf16ps) outrun float32 FMAs on this CPU, so that
@@ -294,7 +297,12 @@ def bf16_dots_pay() -> bool:
     run at twice the float32 FMA rate; on the Intel Xeons this project measured (with and
     without AMX) at half of it, where the float32 path on the same cache was 1.1x faster
     (``python -m inflight.bench.decode_attention``). ``INFLIGHT_BF16_DOTS`` =
-    ``bf16`` or ``fp32`` overrides."""
+    ``bf16`` or ``fp32`` overrides.
+
+    The choice changes a bfloat16 model's rounding, so it must not flip between processes
+    on one machine: each rate is the best of three 10 ms probes, interleaved, and bfloat16
+    needs a 1.25x lead (the kinds measured differ by 2x either way). A single 20 ms probe
+    of each flipped once in seven runs beside a busy process on the Intel Xeon with AMX."""
     forced = os.environ.get("INFLIGHT_BF16_DOTS", "auto")
     if forced not in ("auto", "bf16", "fp32"):
         raise ValueError(f"INFLIGHT_BF16_DOTS must be auto, bf16 or fp32, got {forced!r}")
@@ -302,7 +310,11 @@ def bf16_dots_pay() -> bool:
         return forced == "bf16"
     if not available():
         return False
-    return peak_gflops("bf16_dot", 0.02) > peak_gflops("fp32_fma", 0.02)
+    fp32 = bf16 = 0.0
+    for _ in range(3):
+        fp32 = max(fp32, peak_gflops("fp32_fma", 0.01))
+        bf16 = max(bf16, peak_gflops("bf16_dot", 0.01))
+    return bf16 > BF16_DOTS_LEAD * fp32
 
 
 def peak_gflops(kind: str, seconds: float) -> float:

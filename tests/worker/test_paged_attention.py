@@ -281,6 +281,32 @@ def test_attention_dots_choice_is_named_and_checked(monkeypatch):
     cpu_kernels.bf16_dots_pay.cache_clear()
 
 
+@pytest.mark.parametrize(
+    ("fp32_probes", "bf16_probes", "expected"),
+    [
+        ([424, 424, 424], [213, 214, 212], False),  # Intel Xeon: bf16 dots at half the rate
+        ([230, 231, 229], [460, 455, 462], True),   # AMD EPYC (Zen 4): twice the rate
+        ([424, 150, 424], [213, 214, 212], False),  # one disturbed probe does not flip it
+        ([424, 424, 424], [470, 480, 460], False),  # 1.1x: not the 1.25x lead it needs
+    ],
+)
+def test_attention_dots_probe_is_stable(monkeypatch, fp32_probes, bf16_probes, expected):
+    """The automatic choice (it changes a bfloat16 model's rounding, so it must be the same
+    in every process on one machine): the best of three interleaved probes of each rate,
+    bfloat16 chosen only with a 1.25x lead."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    probes = {"fp32_fma": list(fp32_probes), "bf16_dot": list(bf16_probes)}
+    monkeypatch.setattr(cpu_kernels, "peak_gflops", lambda kind, seconds: probes[kind].pop(0))
+    monkeypatch.delenv("INFLIGHT_BF16_DOTS", raising=False)
+    cpu_kernels.bf16_dots_pay.cache_clear()
+    try:
+        assert cpu_kernels.bf16_dots_pay() is expected
+        assert probes == {"fp32_fma": [], "bf16_dot": []}  # three of each
+    finally:
+        cpu_kernels.bf16_dots_pay.cache_clear()
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("seed", range(2))
 def test_bfloat16_queries_on_a_bfloat16_cache_match_dense(block_size, seed, attention_dots):
