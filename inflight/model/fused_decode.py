@@ -25,7 +25,8 @@ from inflight.kernels import cpu as cpu_kernels
 from inflight.worker.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:
-    from inflight.model.llama import Attention, LlamaForCausalLM
+    from inflight.model.linear import Linear
+    from inflight.model.llama import Attention, DecoderLayer, LlamaForCausalLM
 
 
 @dataclass(slots=True)
@@ -44,39 +45,23 @@ class FusedDecode:
         """The model's fused decode, or None unless every linear layer reads GGUF blocks
         without a bias and the fused C++ layer ops are on. Build once the weights are
         final (this keeps references to them)."""
-        layers = list(model.layers)
-        projections = [
-            (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-             layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            for layer in layers
-        ]
-        usable = (
-            model.block_max_rows > 0 and bool(layers)
-            and all(linear.blocks is not None and linear.bias is None
-                    for linears in projections for linear in linears)
-            and all(layer.self_attn.fused and layer.mlp.fused and layer.input_layernorm.fused
-                    for layer in layers)
-        )
-        if not usable:
+        layers = _fusable_layers(model, lambda linear: linear.blocks is not None)
+        if layers is None or model.block_max_rows <= 0:
             return None
         tensors: list[torch.Tensor] = []
         types: list[int] = []
-        for layer, linears in zip(layers, projections, strict=True):
+        for layer, linears in layers:
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in linears:
                 assert linear.blocks is not None
                 tensors.append(linear.blocks.blocks)
                 types.append(linear.blocks.ggml_type)
-        return FusedDecode(tensors, types, layers[0].input_layernorm.eps, model.block_max_rows)
+        eps = layers[0][0].input_layernorm.eps
+        return FusedDecode(tensors, types, eps, model.block_max_rows)
 
     def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """Few enough tokens for the block kernel, and every one a varlen decode."""
-        decode = metadata.decode
-        return (
-            num_tokens <= self.max_rows and metadata.prefill is None
-            and metadata.prompts is None and isinstance(decode, VarlenGroup)
-            and decode.token_index is None
-        )
+        return num_tokens <= self.max_rows and _decode_only(metadata)
 
     def run(
         self, model: LlamaForCausalLM, x: torch.Tensor, positions: torch.Tensor,
@@ -93,6 +78,34 @@ class FusedDecode:
             )
 
         return self.stacks.run(model, kv_caches, make, x, positions, metadata)
+
+
+def _fusable_layers(
+    model: LlamaForCausalLM, holds: Callable[[Linear], bool]
+) -> list[tuple[DecoderLayer, tuple[Linear, Linear, Linear, Linear]]] | None:
+    """Each decoder layer with its qkv, o, gate_up and down projections, or None unless
+    every projection ``holds`` its weight form without a bias and the fused C++ layer ops
+    are on."""
+    layers = [
+        (layer, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                 layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        for layer in model.layers
+    ]
+    usable = bool(layers) and all(
+        layer.self_attn.fused and layer.mlp.fused and layer.input_layernorm.fused
+        and all(holds(linear) and linear.bias is None for linear in linears)
+        for layer, linears in layers
+    )
+    return layers if usable else None
+
+
+def _decode_only(metadata: AttentionMetadata) -> bool:
+    """Every token of the step a decode token of one varlen group."""
+    decode = metadata.decode
+    return (
+        metadata.prefill is None and metadata.prompts is None
+        and isinstance(decode, VarlenGroup) and decode.token_index is None
+    )
 
 
 class _StackCache:
@@ -147,41 +160,24 @@ class FusedDecodeTiles:
     def build(model: LlamaForCausalLM) -> FusedDecodeTiles | None:
         """None unless every decoder linear holds ``gguf_amx`` blocks without a bias, the
         model computes in bfloat16 and the fused C++ layer ops are on."""
-        layers = list(model.layers)
-        projections = [
-            (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-             layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            for layer in layers
-        ]
-        usable = (
-            bool(layers) and model.embed_tokens.weight.dtype == torch.bfloat16
-            and all(linear.gguf_amx is not None and linear.bias is None
-                    for linears in projections for linear in linears)
-            and all(layer.self_attn.fused and layer.mlp.fused and layer.input_layernorm.fused
-                    for layer in layers)
-        )
-        if not usable:
+        layers = _fusable_layers(model, lambda linear: linear.gguf_amx is not None)
+        if layers is None or model.embed_tokens.weight.dtype != torch.bfloat16:
             return None
         tensors: list[torch.Tensor] = []
         features: list[int] = []
-        for layer, linears in zip(layers, projections, strict=True):
+        for layer, linears in layers:
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in linears:
                 assert linear.gguf_amx is not None
                 tensors.append(linear.gguf_amx)
                 features.append(linear.weight.shape[0])
-        max_rows = min(linear.gguf_amx_max_rows for linears in projections for linear in linears)
-        return FusedDecodeTiles(tensors, features, layers[0].input_layernorm.eps, max_rows)
+        max_rows = min(linear.gguf_amx_max_rows for _, linears in layers for linear in linears)
+        return FusedDecodeTiles(tensors, features, layers[0][0].input_layernorm.eps, max_rows)
 
     def applies(self, num_tokens: int, metadata: AttentionMetadata, block_max_rows: int) -> bool:
         """More tokens than the block kernel takes (``block_max_rows``, 0 while the model
         is held to its dense weights), at most ``max_rows``, every one a varlen decode."""
-        decode = metadata.decode
-        return (
-            0 < block_max_rows < num_tokens <= self.max_rows and metadata.prefill is None
-            and metadata.prompts is None and isinstance(decode, VarlenGroup)
-            and decode.token_index is None
-        )
+        return 0 < block_max_rows < num_tokens <= self.max_rows and _decode_only(metadata)
 
     def run(
         self, model: LlamaForCausalLM, x: torch.Tensor, positions: torch.Tensor,
