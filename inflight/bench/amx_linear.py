@@ -20,7 +20,9 @@ from collections.abc import Callable
 import torch
 
 from inflight.kernels import cpu
+from inflight.model.linear import Linear
 from inflight.model.loader import default_model_path, load_checkpoint
+from inflight.worker.device import build_model
 
 
 def _best_ms(run: Callable[[], object], repeats: int, flush: torch.Tensor) -> float:
@@ -42,22 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu.gguf_amx_linear_available():
         parser.error("the AMX linears need AMX tiles (amx_bf16) on this machine")
     checkpoint = load_checkpoint(args.model or default_model_path())
-    quantized = checkpoint.quantized
-    layers = []  # (out features, in features, dense tiles, 4-bit tiles)
-    for i in range(checkpoint.arch.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for names in ([p + f"self_attn.{x}_proj.weight" for x in "qkv"],
-                      [p + "self_attn.o_proj.weight"],
-                      [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                      [p + "mlp.down_proj.weight"]):
-            parts = [quantized.get(name) for name in names]
-            if any(part is None or part.ggml_type not in (2, 3) for part in parts):
-                parser.error(f"{names[0]}: the 4-bit AMX linear takes Q4_0 / Q4_1 blocks only")
-            blocks = torch.cat([part.blocks for part in parts])  # type: ignore[union-attr]
-            qtype = parts[0].ggml_type  # type: ignore[union-attr]
-            dense = cpu.gguf_dequantize(blocks, qtype).bfloat16()
-            layers.append((dense.shape[0], dense.shape[1], cpu.amx_pack(dense),
-                           cpu.gguf_amx_pack(blocks, qtype)))
+    # The engine's own weight forms (build_model picks them on this CPU): every decoder
+    # linear with both the dense tiles and the 4-bit blocks' tiles.
+    model = build_model(
+        checkpoint.arch, checkpoint.weights, torch.device("cpu"), torch.bfloat16, 16,
+        quantized=checkpoint.quantized, block_max_rows=1,
+    )
+    layers = [
+        (m.weight.shape[0], m.weight.shape[1], m.amx, m.gguf_amx)
+        for m in model.layers.modules()
+        if isinstance(m, Linear) and m.amx is not None and m.gguf_amx is not None
+    ]
+    if not layers:
+        parser.error("no decoder linear took the 4-bit AMX form (Q4_0 / Q4_1 checkpoints only)")
     flush = torch.ones(1 << 28)
     print(f"{len(layers)} fused decoder linears; ms per pass over all of them, weights from memory")
     print(f"{'rows':>5} {'dense':>8} {'4-bit':>8} {'speed-up':>9}")

@@ -62,13 +62,54 @@ c10::TypedOperatorHandle<Fn> find(const char* name) {
 constexpr int64_t kTensorsPerLayer = 6;
 constexpr int64_t kTypesPerLayer = 4;
 
+// What both stacks hold: 6 tensors a layer (the two norms' weights, then the qkv, o,
+// gate_up and down projections' weights in the stack's form), one integer per projection
+// (its ggml type or its output size), the KV caches (and scales of an int8 cache) and the
+// attention's constants. Checked once, at construction.
+struct StackLayers {
+  std::vector<at::Tensor> layer_tensors;
+  std::vector<int64_t> per_linear;
+  double eps;
+  std::vector<at::Tensor> k_caches, v_caches, k_scales, v_scales;
+  int64_t num_heads, num_kv_heads;
+  double scale;
+  bool int8_dots;  // paged_attention's choice for an int8 cache, as the layer path makes it
+
+  StackLayers(const char* name, std::vector<at::Tensor> tensors, std::vector<int64_t> linears,
+              double eps_, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
+              std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t heads,
+              int64_t kv_heads, double scale_, bool int8_dots_)
+      : layer_tensors(std::move(tensors)), per_linear(std::move(linears)), eps(eps_),
+        k_caches(std::move(k)), v_caches(std::move(v)), k_scales(std::move(ks)),
+        v_scales(std::move(vs)), num_heads(heads), num_kv_heads(kv_heads), scale(scale_),
+        int8_dots(int8_dots_) {
+    const int64_t layers = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK(layers > 0, name, " needs at least one layer");
+    TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == kTensorsPerLayer * layers &&
+                    static_cast<int64_t>(per_linear.size()) == kTypesPerLayer * layers &&
+                    static_cast<int64_t>(v_caches.size()) == layers,
+                name, ": ", kTensorsPerLayer, " tensors, ", kTypesPerLayer,
+                " projection types or sizes and one K and V cache per layer");
+    TORCH_CHECK(k_scales.size() == v_scales.size() &&
+                    (k_scales.empty() || static_cast<int64_t>(k_scales.size()) == layers),
+                name, ": K/V scales for every layer (int8 caches) or for none");
+  }
+
+  const at::Tensor& weight(size_t layer, int64_t which) const {
+    return layer_tensors[kTensorsPerLayer * layer + 2 + which];
+  }
+  int64_t linear_arg(size_t layer, int64_t which) const {
+    return per_linear[kTypesPerLayer * layer + which];
+  }
+};
+
 // The layers of one decode step, as the Python modules run them: `linear(in, layer, which)`
 // is the layer's qkv (0), o (1), gate_up (2) or down (3) projection; norms and the matmuls'
 // inputs are in `act` (float32 for the GGUF block kernel, bfloat16 for the AMX tiles);
 // with `widen_queries` the attention takes float32 queries (torch_paged._varlen's choice
 // where bfloat16 dot products do not pay) and its output is rounded back to `act`.
-template <typename Stack, typename LinearFn>
-at::Tensor run_layers(Stack& st, LinearFn linear, at::ScalarType act, bool widen_queries,
+template <typename LinearFn>
+at::Tensor run_layers(StackLayers& st, LinearFn linear, at::ScalarType act, bool widen_queries,
                       at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, const at::Tensor& slot_mapping,
                       const at::Tensor& block_tables, const at::Tensor& query_start,
@@ -103,34 +144,16 @@ at::Tensor run_layers(Stack& st, LinearFn linear, at::ScalarType act, bool widen
   return *pending;
 }
 
-struct DecodeStack : torch::CustomClassHolder {
-  std::vector<at::Tensor> layer_tensors;
-  std::vector<int64_t> layer_types;
-  double eps;
-  std::vector<at::Tensor> k_caches, v_caches, k_scales, v_scales;
-  int64_t num_heads, num_kv_heads;
-  double scale;
-  bool int8_dots;  // paged_attention's choice for an int8 cache, as the layer path makes it
-
+// Every layer's projections read GGUF blocks with the block kernel (float32 activations);
+// per_linear holds the blocks' ggml types.
+struct DecodeStack : StackLayers, torch::CustomClassHolder {
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> types, double eps_,
               std::vector<at::Tensor> k, std::vector<at::Tensor> v,
               std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t heads,
               int64_t kv_heads, double scale_, bool int8_dots_)
-      : layer_tensors(std::move(tensors)), layer_types(std::move(types)), eps(eps_),
-        k_caches(std::move(k)), v_caches(std::move(v)), k_scales(std::move(ks)),
-        v_scales(std::move(vs)), num_heads(heads), num_kv_heads(kv_heads), scale(scale_),
-        int8_dots(int8_dots_) {
-    const int64_t layers = static_cast<int64_t>(k_caches.size());
-    TORCH_CHECK(layers > 0, "DecodeStack needs at least one layer");
-    TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == kTensorsPerLayer * layers &&
-                    static_cast<int64_t>(layer_types.size()) == kTypesPerLayer * layers &&
-                    static_cast<int64_t>(v_caches.size()) == layers,
-                "DecodeStack: ", kTensorsPerLayer, " tensors, ", kTypesPerLayer,
-                " types and one K and V cache per layer");
-    TORCH_CHECK(k_scales.size() == v_scales.size() &&
-                    (k_scales.empty() || static_cast<int64_t>(k_scales.size()) == layers),
-                "DecodeStack: K/V scales for every layer (int8 caches) or for none");
-  }
+      : StackLayers("DecodeStack", std::move(tensors), std::move(types), eps_, std::move(k),
+                    std::move(v), std::move(ks), std::move(vs), heads, kv_heads, scale_,
+                    int8_dots_) {}
 
   at::Tensor run(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, const at::Tensor& slot_mapping,
@@ -138,8 +161,7 @@ struct DecodeStack : torch::CustomClassHolder {
                  const at::Tensor& seq_lens) {
     static const auto gguf_matmul = find<GgufMatmulFn>("inflight::gguf_matmul");
     auto linear = [&](const at::Tensor& in, size_t layer, int64_t which) {
-      return gguf_matmul.call(in, layer_tensors[kTensorsPerLayer * layer + 2 + which],
-                              layer_types[kTypesPerLayer * layer + which]);
+      return gguf_matmul.call(in, weight(layer, which), linear_arg(layer, which));
     };
     return run_layers(*this, linear, at::kFloat, /*widen_queries=*/false, x, positions, cos,
                       sin, slot_mapping, block_tables, query_start, seq_lens);
@@ -147,38 +169,21 @@ struct DecodeStack : torch::CustomClassHolder {
 };
 
 // The same for bfloat16 steps whose decoder linears read 4-bit GGUF blocks with AMX tiles
-// (csrc/gguf_amx_linear.cpp): layer_tensors as DecodeStack's with gguf_amx_pack's packed
-// blocks in place of the GGUF blocks, layer_types replaced by the 4 projections' output
-// features; bf16_queries: the attention takes the bfloat16 queries as they are (else they
-// widen to float32, as torch_paged._varlen does where bfloat16 dot products do not pay).
-struct DecodeStackTiles : torch::CustomClassHolder {
-  std::vector<at::Tensor> layer_tensors;
-  std::vector<int64_t> out_features;
-  double eps;
-  std::vector<at::Tensor> k_caches, v_caches, k_scales, v_scales;
-  int64_t num_heads, num_kv_heads;
-  double scale;
-  bool int8_dots, bf16_queries;
+// (csrc/gguf_amx_linear.cpp): the weights are gguf_amx_pack's, per_linear holds the
+// projections' output sizes; bf16_queries: the attention takes the bfloat16 queries as
+// they are (else they widen to float32, as torch_paged._varlen does where bfloat16 dot
+// products do not pay).
+struct DecodeStackTiles : StackLayers, torch::CustomClassHolder {
+  bool bf16_queries;
 
   DecodeStackTiles(std::vector<at::Tensor> tensors, std::vector<int64_t> features, double eps_,
                    std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                    std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t heads,
                    int64_t kv_heads, double scale_, bool int8_dots_, bool bf16_queries_)
-      : layer_tensors(std::move(tensors)), out_features(std::move(features)), eps(eps_),
-        k_caches(std::move(k)), v_caches(std::move(v)), k_scales(std::move(ks)),
-        v_scales(std::move(vs)), num_heads(heads), num_kv_heads(kv_heads), scale(scale_),
-        int8_dots(int8_dots_), bf16_queries(bf16_queries_) {
-    const int64_t layers = static_cast<int64_t>(k_caches.size());
-    TORCH_CHECK(layers > 0 &&
-                    static_cast<int64_t>(layer_tensors.size()) == kTensorsPerLayer * layers &&
-                    static_cast<int64_t>(out_features.size()) == kTypesPerLayer * layers &&
-                    static_cast<int64_t>(v_caches.size()) == layers,
-                "DecodeStackTiles: ", kTensorsPerLayer, " tensors, ", kTypesPerLayer,
-                " output sizes and one K and V cache per layer");
-    TORCH_CHECK(k_scales.size() == v_scales.size() &&
-                    (k_scales.empty() || static_cast<int64_t>(k_scales.size()) == layers),
-                "DecodeStackTiles: K/V scales for every layer (int8 caches) or for none");
-  }
+      : StackLayers("DecodeStackTiles", std::move(tensors), std::move(features), eps_,
+                    std::move(k), std::move(v), std::move(ks), std::move(vs), heads, kv_heads,
+                    scale_, int8_dots_),
+        bf16_queries(bf16_queries_) {}
 
   at::Tensor run(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, const at::Tensor& slot_mapping,
@@ -186,8 +191,7 @@ struct DecodeStackTiles : torch::CustomClassHolder {
                  const at::Tensor& seq_lens) {
     static const auto gguf_amx_linear = find<GgufAmxFn>("inflight::gguf_amx_linear");
     auto linear = [&](const at::Tensor& in, size_t layer, int64_t which) {
-      return gguf_amx_linear.call(in, layer_tensors[kTensorsPerLayer * layer + 2 + which],
-                                  out_features[kTypesPerLayer * layer + which], false);
+      return gguf_amx_linear.call(in, weight(layer, which), linear_arg(layer, which), false);
     };
     return run_layers(*this, linear, at::kBFloat16, !bf16_queries, x, positions, cos, sin,
                       slot_mapping, block_tables, query_start, seq_lens);

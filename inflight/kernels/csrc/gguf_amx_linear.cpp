@@ -284,9 +284,8 @@ at::Tensor gguf_amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_
   const int64_t pair_bytes = 2 * units * kStrip * kUnitBytes;
   auto run = [&](auto* yp) {
     at::parallel_for(0, N / 32, 1, [&](int64_t begin, int64_t end) {
-      // A tiles of one strip pair: K / 32 k-steps x 2 strips x 1 KiB.
-      // Two scratches of A tiles (one strip pair each): the next pair is dequantised into
-      // one while the tiles of the other are multiplied.
+      // Two scratches of one strip pair's A tiles (K / 32 k-steps x 2 strips x 1 KiB
+      // each): the next pair is dequantised into one while the other's are multiplied.
       at::BFloat16* scratch = scratch_tiles(2 * ksteps * 2 * 512);
       at::BFloat16* a[2] = {scratch, scratch + ksteps * 2 * 512};
       inflight_amx::load_full_tiles();
