@@ -377,6 +377,51 @@ def test_decode_tokens_match_dense_tightly(heads, kv_heads, head_dim, block_size
         torch.testing.assert_close(out[s], expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    "kv_dtype,q_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+     (torch.bfloat16, torch.bfloat16), (torch.int8, torch.float32)],
+)
+def test_decode_heads_by_block_are_bit_identical_to_head_after_head(
+    group, block_size, kv_dtype, q_dtype, two_threads
+):
+    """In a batch, a decode token's keys are scored block by block across its KV heads
+    (score_heads_by_block, group sizes 1-4; 5 keeps compute_scores); a token decoding alone
+    is split over threads one KV head each and scored head after head. The two orders
+    must give the same bits, for every cache dtype and both query dtypes."""
+    kv_heads, head_dim = 3, 64
+    context = [1, 17, 64, 200]
+    torch.manual_seed(group * 100 + block_size)
+    per_seq = [-(-n // block_size) for n in context]
+    num_blocks = sum(per_seq) + 3
+    shape_k = (num_blocks, kv_heads, head_dim, block_size)
+    shape_v = (num_blocks, block_size, kv_heads, head_dim)
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if kv_dtype == torch.int8:
+        k_cache = torch.randint(-127, 128, shape_k, dtype=torch.int8)
+        v_cache = torch.randint(-127, 128, shape_v, dtype=torch.int8)
+        scales = (torch.rand(num_blocks, kv_heads, block_size) * 0.02 + 1e-3,
+                  torch.rand(num_blocks, kv_heads, block_size) * 0.02 + 1e-3)
+    else:
+        k_cache = torch.randn(shape_k).to(kv_dtype)
+        v_cache = torch.randn(shape_v).to(kv_dtype)
+    tables = scattered_tables(per_seq, num_blocks)
+    q = (torch.randn(len(context), group * kv_heads, head_dim) * 2).to(q_dtype)
+    lens = torch.tensor(context, dtype=torch.int32)
+    batch = cpu_kernels.paged_attention(
+        q, k_cache, v_cache, tables, torch.arange(len(context) + 1, dtype=torch.int32), lens,
+        head_dim**-0.5, *scales,
+    )
+    for s in range(len(context)):
+        alone = cpu_kernels.paged_attention(
+            q[s : s + 1], k_cache, v_cache, tables[s : s + 1],
+            torch.tensor([0, 1], dtype=torch.int32), lens[s : s + 1], head_dim**-0.5, *scales,
+        )
+        assert torch.equal(alone, batch[s : s + 1]), f"sequence {s} ({context[s]} keys)"
+
+
 def int8_step(block_size: int, context: list[int], q_len: list[int], seed: int):
     """A random int8 cache (values -127..127, positive scales), blocks shuffled, and the
     block tables, query starts and lengths of sequences with `context` keys after this
