@@ -195,6 +195,14 @@ def amx_linear(
     return torch.ops.inflight.amx_linear(x, packed, out_features, float32_out)
 
 
+def amx_linear_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Greedy token ids ``[M] int64`` for ``x [M, K] bfloat16``: each row's lowest index of
+    its largest float32 sum, as :func:`amx_linear` with ``float32_out`` followed by
+    ``max(dim=-1).indices``, without the ``[M, N]`` logits; -1 for a row holding a NaN
+    or only -inf (take those from the logits)."""
+    return torch.ops.inflight.amx_linear_argmax(x, packed, out_features)
+
+
 def decode_stack_tiles(
     layer_tensors: list[torch.Tensor], out_features: list[int], eps: float,
     k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

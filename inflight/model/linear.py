@@ -120,24 +120,48 @@ class Linear(nn.Module):
         self.gguf_amx = cpu_kernels.gguf_amx_pack(blocks.blocks, blocks.ggml_type)
         self.gguf_amx_max_rows = max_rows
 
-    def _own_kernel(self, x: torch.Tensor, float32_out: bool) -> torch.Tensor | None:
-        """This step through csrc/bf16_linear.cpp or csrc/amx_linear.cpp, where the layer
-        holds their weight form and the step is within its rows; else None."""
+    def _own_choice(self, x: torch.Tensor) -> str | None:
+        """Which of this project's kernels takes this step ("pairs", "gguf_amx", "amx"),
+        where the layer holds its weight form and the step is within its rows; else None."""
         if x.dtype != torch.bfloat16 or x.dim() != 2:
             return None
-        if self.pairs is not None and x.shape[0] <= self.pair_max_rows:
+        rows = x.shape[0]
+        if self.pairs is not None and rows <= self.pair_max_rows:
+            return "pairs"
+        if self.gguf_amx is not None and rows <= self.gguf_amx_max_rows:
+            return "gguf_amx"
+        if self.amx is not None and rows <= self.amx_max_rows:
+            return "amx"
+        return None
+
+    def _own_kernel(self, x: torch.Tensor, float32_out: bool) -> torch.Tensor | None:
+        """This step through csrc/bf16_linear.cpp, csrc/gguf_amx_linear.cpp or
+        csrc/amx_linear.cpp (see _own_choice); else None."""
+        choice = self._own_choice(x)
+        out_features = self.weight.shape[0]
+        if choice == "pairs":
             return cpu_kernels.bf16_linear(
-                x.contiguous(), self.pairs, self.weight.shape[0], float32_out=float32_out
+                x.contiguous(), self.pairs, out_features, float32_out=float32_out
             )
-        if self.gguf_amx is not None and x.shape[0] <= self.gguf_amx_max_rows:
+        if choice == "gguf_amx":
             return cpu_kernels.gguf_amx_linear(
-                x.contiguous(), self.gguf_amx, self.weight.shape[0], float32_out=float32_out
+                x.contiguous(), self.gguf_amx, out_features, float32_out=float32_out
             )
-        if self.amx is not None and x.shape[0] <= self.amx_max_rows:
+        if choice == "amx":
             return cpu_kernels.amx_linear(
-                x.contiguous(), self.amx, self.weight.shape[0], float32_out=float32_out
+                x.contiguous(), self.amx, out_features, float32_out=float32_out
             )
         return None
+
+    def greedy_argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's lowest index of its largest float32 output, ``[M] int64``, exactly
+        ``forward_float32(x).max(dim=-1).indices``, without materialising the outputs: for
+        the output layer under greedy sampling, where the step runs csrc/amx_linear.cpp
+        (``amx_linear_argmax``). -1 for a row holding a NaN or only -inf. None where
+        another kernel would take the step."""
+        if self._own_choice(x) != "amx":
+            return None
+        return cpu_kernels.amx_linear_argmax(x.contiguous(), self.amx, self.weight.shape[0])
 
     def use_int8(self, smooth: torch.Tensor | None = None) -> None:
         """Quantise the weight to int8 per output channel (``quantization="w8a8"``, see

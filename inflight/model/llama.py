@@ -257,6 +257,12 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits ``[rows, vocab]`` for the hidden states of the sampled rows."""
         return self.lm_head.forward_float32(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden).max(dim=-1).indices`` ([rows] int64) without the
+        logits, where the output layer's kernel can fuse the argmax (Linear.greedy_argmax;
+        -1 for a row it leaves to the logits); else None."""
+        return self.lm_head.greedy_argmax(hidden)
+
     def use_cpu_kernels(self) -> None:
         """Run RMSNorm, RoPE + K/V write and SiLU-mul as fused C++ ops (CPU only)."""
         for module in self.modules():

@@ -90,18 +90,23 @@ class ModelRunner:
                 return ModelRunnerOutput(
                     sampled_token_ids={}, failed_requests=failed, prompt_logprobs=prompt_logprobs
                 )
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            sampled_hidden = hidden[inputs.logits_indices]
+            tokens = self._greedy_without_logits(inputs.sampled, sampled_hidden)
+            logits = None if tokens is not None else self.model.compute_logits(sampled_hidden)
         with self.timings.measure("sample_s"):
-            request_ids = [s.request_id for s in inputs.sampled]
-            # structured outputs: -inf where a constrained row's grammar forbids a token.
-            # Applied before the sampler as in vLLM; -inf masks commute with the
-            # penalties and the min_tokens mask, so the order among them is immaterial.
-            if self.structured_output is not None:
-                failed.update(mask_constrained_rows(
-                    self.structured_output, logits, request_ids,
-                    [s.sampling_params for s in inputs.sampled],
-                ))
-            tokens, logprobs = self._sample(inputs.sampled, logits, failed)
+            logprobs: dict[str, TokenLogprobs] = {}
+            if logits is not None:
+                request_ids = [s.request_id for s in inputs.sampled]
+                # structured outputs: -inf where a constrained row's grammar forbids a
+                # token. Applied before the sampler as in vLLM; -inf masks commute with
+                # the penalties and the min_tokens mask, so their order is immaterial.
+                if self.structured_output is not None:
+                    failed.update(mask_constrained_rows(
+                        self.structured_output, logits, request_ids,
+                        [s.sampling_params for s in inputs.sampled],
+                    ))
+                tokens, logprobs = self._sample(inputs.sampled, logits, failed)
+        assert tokens is not None
         grammar_finished: set[str] = set()
         if self.structured_output is not None:  # advance the matchers by the new tokens
             grammar_finished, rejected = self.structured_output.accept_tokens(tokens)
@@ -113,6 +118,27 @@ class ModelRunner:
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             grammar_finished_request_ids=grammar_finished,
         )
+
+    def _greedy_without_logits(
+        self, sampled: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, int] | None:
+        """The rows' tokens straight from the output layer (``greedy_tokens``: the argmax
+        fused into its kernel, the [rows, vocab] logits never written) where every row is
+        plain greedy sampling, so the logits would only be argmax'ed: no logits processing,
+        no suppressed tokens (min_tokens), no logprobs, no grammar. The same tokens as the
+        sampler's. None where a row needs more, where the model's kernel cannot fuse it,
+        or where a row needs its logits after all (a NaN)."""
+        for s in sampled:
+            params = s.sampling_params
+            if (not params.is_greedy or params.needs_logits_processing
+                    or params.logprobs is not None or params.structured_outputs is not None
+                    or s.suppressed_token_ids):
+                return None
+        ids = self.model.greedy_tokens(hidden)
+        if ids is None or bool((ids < 0).any()):
+            return None
+        # No row has logits-processor state to count its token in (needs_logits_processing).
+        return dict(zip([s.request_id for s in sampled], ids.tolist(), strict=True))
 
     def _sample(
         self, sampled: list[ScheduledRequest], logits: torch.Tensor, failed: dict[str, str]

@@ -107,3 +107,70 @@ def test_the_kernel_is_chosen_only_with_amx_and_unless_turned_off(monkeypatch):
     monkeypatch.delenv("INFLIGHT_BF16_LINEAR")
     monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     assert device.amx_matmul_rows() == 0
+
+
+# ---------------------------------------------------------------- fused greedy argmax
+
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 57, 200])
+@pytest.mark.parametrize("n", [64, 4096, 49152])
+def test_fused_argmax_is_the_argmax_of_the_float32_logits(m, n, two_threads):
+    """amx_linear_argmax: exactly amx_linear(float32_out) then max(dim=-1).indices, for
+    row tails, both threads' column ranges and the output layer's width."""
+    torch.manual_seed(m + n)
+    x = torch.randn(m, 576).bfloat16()
+    packed = cpu.amx_pack((torch.randn(n, 576) * 0.05).bfloat16())
+    expected = cpu.amx_linear(x, packed, n, float32_out=True).max(dim=-1).indices
+    assert torch.equal(cpu.amx_linear_argmax(x, packed, n), expected)
+
+
+def test_fused_argmax_takes_the_lowest_index_of_a_tie(two_threads):
+    """Weight rows repeated at columns 5, 21 (the other strip of the pair), 40 (the next
+    pair) and 4090 (the other thread's columns): the tied maximum must come out as 5, as
+    torch.max gives it; with column 5 zeroed, 21."""
+    n, k = 4096, 64
+    torch.manual_seed(1)
+    w = torch.randn(n, k).bfloat16() * 0.01
+    x = torch.randn(24, k).bfloat16()
+    top = x[0].clone()  # a weight row aligned with row 0 wins it everywhere it appears
+    for column in (5, 21, 40, 4090):
+        w[column] = top
+    got = cpu.amx_linear_argmax(x, cpu.amx_pack(w), n)
+    assert got[0] == 5
+    w[5] = 0
+    got = cpu.amx_linear_argmax(x, cpu.amx_pack(w), n)
+    assert got[0] == 21
+    assert torch.equal(got, cpu.amx_linear(x, cpu.amx_pack(w), n, True).max(dim=-1).indices)
+
+
+def test_fused_argmax_marks_a_nan_row(two_threads):
+    """A row whose sums hold a NaN comes back -1 (the caller takes it from the logits);
+    the other rows keep their tokens."""
+    torch.manual_seed(2)
+    x = torch.randn(20, 64).bfloat16()
+    x[3, 7] = float("nan")
+    w = torch.randn(128, 64).bfloat16()
+    packed = cpu.amx_pack(w)
+    got = cpu.amx_linear_argmax(x, packed, 128)
+    assert got[3] == -1
+    rest = [r for r in range(20) if r != 3]
+    logits = cpu.amx_linear(x, packed, 128, True)
+    assert torch.equal(got[rest], logits[rest].max(dim=-1).indices)
+
+
+def test_linear_fuses_the_argmax_only_where_it_runs_the_amx_kernel():
+    torch.manual_seed(3)
+    layer = Linear(576, 4096)
+    layer.weight.data = torch.randn(4096, 576).bfloat16()
+    layer.use_amx_weight(max_rows=32)
+    x = torch.randn(20, 576).bfloat16()
+    assert torch.equal(layer.greedy_argmax(x), layer.forward_float32(x).max(dim=-1).indices)
+    assert layer.greedy_argmax(torch.randn(33, 576).bfloat16()) is None  # past its rows
+    assert layer.greedy_argmax(torch.randn(20, 576)) is None  # float32 activations
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)

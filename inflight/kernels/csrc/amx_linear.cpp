@@ -2,6 +2,8 @@
 //
 //   amx_pack(W) -> packed               once, at load time
 //   amx_linear(x, packed, N) -> y       every step in the kernel's row range
+//   amx_linear_argmax(x, packed, N) -> [M] int64: each row's first index of its largest
+//                                       float32 sum, without writing y (greedy sampling)
 //
 //   W:       [N, K] bfloat16, N a multiple of 32, K a multiple of 32
 //   packed:  [N / 16][K / 32][16][16][2] bfloat16: W^T as AMX B tiles. Tile (n, k) holds
@@ -38,8 +40,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -70,13 +74,49 @@ inline void store_rows(const float* tile, int64_t rows, out_t* y, int64_t ldy) {
   }
 }
 
+// Where a row block's accumulator tiles go: take(tile, rows, row0, col0) gets one 16 x 16
+// float32 tile (row stride 16) holding y[row0 .. row0 + rows)[col0 .. col0 + 16).
+template <typename out_t>
+struct StoreRows {  // into y [M, ldy]
+  out_t* y;
+  int64_t ldy;
+  void take(const float* tile, int64_t rows, int64_t row0, int64_t col0) {
+    store_rows(tile, rows, y + row0 * ldy + col0, ldy);
+  }
+};
+
+// Each row's largest sum and its first column over the tiles taken, which come in
+// ascending column order (a thread's strip pairs), so a later tile replaces the best only
+// if strictly greater: the lowest index of the maximum, as torch.max(dim=-1) gives it.
+// Starts at -inf with index -1 (a row of -inf keeps -1); a NaN marks its row.
+struct RunningArgmax {
+  float* top;       // [M]
+  int32_t* index;   // [M]
+  uint8_t* nan;     // [M]
+  void take(const float* tile, int64_t rows, int64_t row0, int64_t col0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 v = _mm512_loadu_ps(tile + r * 16);
+      if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0) {
+        nan[row0 + r] = 1;
+        continue;
+      }
+      const float m = _mm512_reduce_max_ps(v);
+      if (m > top[row0 + r]) {
+        const uint32_t lanes = _mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ);
+        top[row0 + r] = m;
+        index[row0 + r] = static_cast<int32_t>(col0 + __builtin_ctz(lanes));
+      }
+    }
+  }
+};
+
 // One row block of x (two 16-row A tiles at a0 and a1, or one with ONE_ROW_TILE; lda bytes
-// between rows) against the strip pair whose B tiles start at b0 and b1; the valid rows
-// (rows_valid) go to y.
-template <bool ONE_ROW_TILE, typename out_t>
+// between rows, the first being row0) against the strip pair whose B tiles start at b0
+// and b1 (columns from col0); the valid rows (rows_valid) go to the sink.
+template <bool ONE_ROW_TILE, typename Sink>
 void row_block(const at::BFloat16* a0, const at::BFloat16* a1, int64_t lda, int64_t K,
-               const at::BFloat16* b0, const at::BFloat16* b1, int64_t rows_valid, out_t* y,
-               int64_t ldy) {
+               const at::BFloat16* b0, const at::BFloat16* b1, int64_t rows_valid, Sink& sink,
+               int64_t row0, int64_t col0) {
   const int64_t ksteps = K / kDepth;
   _tile_zero(0);
   _tile_zero(1);
@@ -108,15 +148,15 @@ void row_block(const at::BFloat16* a0, const at::BFloat16* a1, int64_t lda, int6
   _tile_stored(0, c[0], 64);
   _tile_stored(1, c[1], 64);
   const int64_t top = std::min<int64_t>(16, rows_valid);
-  store_rows(c[0], top, y, ldy);
-  store_rows(c[1], top, y + 16, ldy);
+  sink.take(c[0], top, row0, col0);
+  sink.take(c[1], top, row0, col0 + 16);
   if constexpr (!ONE_ROW_TILE) {
     _tile_stored(2, c[2], 64);
     _tile_stored(3, c[3], 64);
     const int64_t bottom = rows_valid - 16;
     if (bottom > 0) {
-      store_rows(c[2], bottom, y + 16 * ldy, ldy);
-      store_rows(c[3], bottom, y + 16 * ldy + 16, ldy);
+      sink.take(c[2], bottom, row0 + 16, col0);
+      sink.take(c[3], bottom, row0 + 16, col0 + 16);
     }
   }
 }
@@ -124,10 +164,9 @@ void row_block(const at::BFloat16* a0, const at::BFloat16* a1, int64_t lda, int6
 // Rows [0, M) of x against strip pairs [p_begin, p_end). For each strip pair, every row
 // block in turn (the pair's tiles, 2 x K x 32 bytes, stay in L1/L2 after the first). Rows
 // past M read `tail`: the last M % 16 rows of x, padded with zeros to 16.
-template <typename out_t>
+template <typename Sink>
 void strip_pairs(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* tail,
-                 const at::BFloat16* packed, int64_t p_begin, int64_t p_end, out_t* y,
-                 int64_t N) {
+                 const at::BFloat16* packed, int64_t p_begin, int64_t p_end, Sink& sink) {
   const int64_t strip_elems = K * kStrip;  // one 16-column strip's tiles
   const int64_t full = M / 16 * 16;  // rows read from x itself
   const int64_t lda = K * 2;
@@ -139,11 +178,10 @@ void strip_pairs(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16
     for (int64_t i = 0; i < blocks; ++i) {
       const int64_t m = 32 * i;
       const int64_t rows = std::min<int64_t>(32, M - m);
-      out_t* out = y + m * N + 32 * p;
       if (rows > 16) {
-        row_block<false>(a_tile(m), a_tile(m + 16), lda, K, b0, b1, rows, out, N);
+        row_block<false>(a_tile(m), a_tile(m + 16), lda, K, b0, b1, rows, sink, m, 32 * p);
       } else {
-        row_block<true>(a_tile(m), nullptr, lda, K, b0, b1, rows, out, N);
+        row_block<true>(a_tile(m), nullptr, lda, K, b0, b1, rows, sink, m, 32 * p);
       }
     }
   }
@@ -183,44 +221,111 @@ at::Tensor amx_pack(const at::Tensor& weight_in) {
   return packed;
 }
 
-// float32_out: the float32 sums as they are (the output layer's logits, see bf16_linear.cpp).
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                      bool float32_out) {
+void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous bfloat16 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kBFloat16 &&
                   packed.is_contiguous() && K % kDepth == 0 && N % 32 == 0 &&
                   packed.numel() == N * K,
               "packed has ", packed.numel(), " elements; [", N, ", ", K, "] needs ", N * K,
               " (from amx_pack)");
-  auto y = at::empty({M, N}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
+}
+
 #if defined(INFLIGHT_AMX)
+// x's strip pairs split between the threads, each pair's rows into `make_sink(begin)`'s
+// sink (begin: the thread's first strip pair).
+template <typename MakeSink>
+void for_strip_pairs(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                     MakeSink make_sink) {
   TORCH_CHECK(tile_permission(), "the OS did not grant AMX tile data to this process");
+  const int64_t M = x.size(0), K = x.size(1);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
   // The last M % 16 rows, padded with zeros to a whole tile (tiles read 16 rows).
   const int64_t full = M / 16 * 16;
   std::vector<at::BFloat16> tail(M > full ? 16 * K : 0, at::BFloat16(0.f));
   if (M > full) std::memcpy(tail.data(), xp + full * K, (M - full) * K * sizeof(at::BFloat16));
-  const int64_t pairs = N / 32;
-  auto run = [&](auto* yp) {
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-      inflight_amx::load_full_tiles();
-      strip_pairs(xp, M, K, tail.data(), wp, begin, end, yp, N);
-      _tile_release();
-    });
-  };
+  at::parallel_for(0, N / 32, 1, [&](int64_t begin, int64_t end) {
+    auto sink = make_sink(begin);
+    inflight_amx::load_full_tiles();
+    strip_pairs(xp, M, K, tail.data(), wp, begin, end, sink);
+    _tile_release();
+  });
+}
+#endif
+
+// float32_out: the float32 sums as they are (the output layer's logits, see bf16_linear.cpp).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                      bool float32_out) {
+  check_operands(x, packed, N);
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y;
+#if defined(INFLIGHT_AMX)
   if (float32_out) {
-    run(y.data_ptr<float>());
+    float* yp = y.data_ptr<float>();
+    for_strip_pairs(x, packed, N, [&](int64_t) { return StoreRows<float>{yp, N}; });
   } else {
-    run(y.data_ptr<at::BFloat16>());
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for_strip_pairs(x, packed, N, [&](int64_t) { return StoreRows<at::BFloat16>{yp, N}; });
   }
 #else
   TORCH_CHECK(false, "amx_linear needs AMX (amx_tile, amx_bf16); use oneDNN on this CPU");
 #endif
   return y;
+}
+
+// Greedy sampling's token ids straight from the output layer: for each row of x, the
+// lowest column index of the largest float32 sum, exactly what amx_linear(x, packed, N,
+// float32_out=True) followed by torch.max(dim=-1).indices gives, without writing the
+// [M, N] float32 logits (39 MB at 200 rows of SmolLM2's 49,152, written and read again
+// from DRAM). -1 for a row holding a NaN (or only -inf): the caller takes those rows from
+// the logits. Each thread keeps its columns' running maxima (RunningArgmax); the threads'
+// results are merged in column order.
+at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  check_operands(x, packed, N);
+  const int64_t M = x.size(0);
+  auto tokens = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return tokens;
+#if defined(INFLIGHT_AMX)
+  struct Part {  // one thread's columns, from strip pair `begin`
+    int64_t begin;
+    std::vector<float> top;
+    std::vector<int32_t> index;
+    std::vector<uint8_t> nan;
+  };
+  std::vector<Part> parts(N / 32);  // at most one per strip pair (grain 1)
+  std::atomic<int64_t> used{0};
+  for_strip_pairs(x, packed, N, [&](int64_t begin) {
+    Part& part = parts[used++];
+    part.begin = begin;
+    part.top.assign(M, -std::numeric_limits<float>::infinity());
+    part.index.assign(M, -1);
+    part.nan.assign(M, 0);
+    return RunningArgmax{part.top.data(), part.index.data(), part.nan.data()};
+  });
+  parts.resize(used.load());
+  std::sort(parts.begin(), parts.end(),
+            [](const Part& a, const Part& b) { return a.begin < b.begin; });
+  int64_t* out = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    float best = -std::numeric_limits<float>::infinity();
+    int64_t token = -1;
+    bool nan = false;
+    for (const Part& part : parts) {
+      nan = nan || part.nan[r] != 0;
+      if (part.top[r] > best) {
+        best = part.top[r];
+        token = part.index[r];
+      }
+    }
+    out[r] = nan ? -1 : token;
+  }
+#else
+  TORCH_CHECK(false, "amx_linear_argmax needs AMX (amx_tile, amx_bf16)");
+#endif
+  return tokens;
 }
 
 }  // namespace
@@ -230,5 +335,7 @@ TORCH_LIBRARY_FRAGMENT(inflight, m) {
   m.impl("amx_pack", c10::DispatchKey::CPU, &amx_pack);
   m.def("amx_linear(Tensor x, Tensor packed, int N, bool float32_out=False) -> Tensor");
   m.impl("amx_linear", c10::DispatchKey::CPU, &amx_linear);
+  m.def("amx_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor");
+  m.impl("amx_linear_argmax", c10::DispatchKey::CPU, &amx_linear_argmax);
   m.def("amx_linear_available() -> bool", &amx_linear_available);
 }
