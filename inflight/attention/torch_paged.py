@@ -98,10 +98,10 @@ def _varlen(
     scale: float, scales: Scales,
 ) -> torch.Tensor:
     q_group = q if group.token_index is None else q[group.token_index]
-    if q_group.dtype not in (torch.float32, torch.bfloat16) or (
-        q_group.dtype == torch.bfloat16 and not cpu_kernels.bf16_dots_pay()
-    ):
-        q_group = q_group.float()  # float32 queries: float32 FMAs on the cache's values
+    if q_group.dtype not in (torch.float32, torch.bfloat16):
+        q_group = q_group.float()
+    # bfloat16 queries: bfloat16 dot products where they pay, else float32 FMAs on the
+    # queries' values (bf16_dots' default)
     return cpu_kernels.paged_attention(
         q_group.contiguous(), k_cache, v_cache, group.block_tables,
         group.query_start, group.seq_lens, scale, *scales,

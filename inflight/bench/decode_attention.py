@@ -101,10 +101,10 @@ def measure(shape: DecodeAttentionShape, order: str = "random", repeats: int = 1
     else:
         blocks = torch.arange(shape.seqs * per_seq)
     tables = blocks.int().view(shape.seqs, per_seq)
-    # The queries as the engine passes them (attention/torch_paged._varlen): bfloat16 only
-    # against a bfloat16 cache on a CPU whose bfloat16 dot products pay, else float32.
-    bf16_queries = dtype == torch.bfloat16 and cpu.bf16_dots_pay()
-    q_dtype = torch.bfloat16 if bf16_queries else torch.float32
+    # The queries as the engine passes them (attention/torch_paged._varlen): bfloat16
+    # against a bfloat16 cache (scored with bfloat16 dot products where they pay, see
+    # cpu.paged_attention's bf16_dots), else float32.
+    q_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     q = torch.randn(shape.seqs, shape.heads, shape.head_dim, generator=generator).to(q_dtype)
     query_start = torch.arange(shape.seqs + 1, dtype=torch.int32)
     seq_lens = torch.full((shape.seqs,), shape.context, dtype=torch.int32)

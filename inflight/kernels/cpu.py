@@ -70,17 +70,21 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    int8_dots: bool | None = None,
+    int8_dots: bool | None = None, bf16_dots: bool | None = None,
 ) -> torch.Tensor:
     """See csrc/paged_attention.cpp for shapes; q and the result are float32 or bfloat16
     (computed in float32). ``k_scale`` and ``v_scale`` come with (and only with) an int8
     cache; ``int8_dots`` (default :func:`int8_query_dots`) lets an int8 cache's keys be
-    scored with int8 dot products where the CPU has them."""
+    scored with int8 dot products where the CPU has them; ``bf16_dots`` (default
+    :func:`bf16_dots_pay`) lets bfloat16 queries on a bfloat16 cache use bfloat16 dot
+    products (else float32 FMAs on their values, the result still bfloat16)."""
     if int8_dots is None:
         int8_dots = int8_query_dots()
+    if bf16_dots is None:
+        bf16_dots = bf16_dots_pay()
     return torch.ops.inflight.paged_attention(
         q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, k_scale, v_scale,
-        int8_dots,
+        int8_dots, bf16_dots,
     )
 
 

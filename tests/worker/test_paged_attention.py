@@ -259,6 +259,29 @@ def test_kernel_takes_bfloat16_queries_as_their_float32_values():
     torch.testing.assert_close(out16.float(), out32, rtol=2 ** -8, atol=2 ** -9 * v_max)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8, torch.float32])
+def test_bfloat16_queries_without_bf16_dots_are_their_widened_values(kv_dtype):
+    """bf16_dots=False (where bfloat16 dot products do not pay): bfloat16 queries give,
+    bit for bit, what their float32 values give rounded once to bfloat16, the way the
+    engine passed them before (widened, and the float32 result rounded)."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    context = [1, 40, 130]
+    k_cache, v_cache, k_scale, v_scale, tables, starts, lens = int8_step(
+        16, context, [1, 1, 1], seed=5
+    )
+    if kv_dtype != torch.int8:
+        k_cache = torch.randn(k_cache.shape).to(kv_dtype)
+        v_cache = torch.randn(v_cache.shape).to(kv_dtype)
+        k_scale = v_scale = None
+    q = torch.randn(len(context), HEADS, HEAD_DIM).bfloat16()
+    args = (k_cache, v_cache, tables, starts, lens, HEAD_DIM**-0.5, k_scale, v_scale)
+    narrow = cpu_kernels.paged_attention(q, *args, bf16_dots=False)
+    widened = cpu_kernels.paged_attention(q.float(), *args, bf16_dots=False)
+    assert narrow.dtype == torch.bfloat16
+    assert torch.equal(narrow, widened.bfloat16())
+
+
 @pytest.fixture(params=["bf16", "fp32"])
 def attention_dots(request, monkeypatch):
     """Both choices of ``cpu.bf16_dots_pay`` (bfloat16 dot products, or the queries

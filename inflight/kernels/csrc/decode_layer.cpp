@@ -50,7 +50,7 @@ using RopeFn = std::tuple<at::Tensor, at::Tensor>(
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                const std::optional<at::Tensor>&,
-                               const std::optional<at::Tensor>&, bool);
+                               const std::optional<at::Tensor>&, bool, bool);
 using SiluMulFn = at::Tensor(const at::Tensor&);
 using GgufAmxFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
 
@@ -106,10 +106,11 @@ struct StackLayers {
 // The layers of one decode step, as the Python modules run them: `linear(in, layer, which)`
 // is the layer's qkv (0), o (1), gate_up (2) or down (3) projection; norms and the matmuls'
 // inputs are in `act` (float32 for the GGUF block kernel, bfloat16 for the AMX tiles);
-// with `widen_queries` the attention takes float32 queries (torch_paged._varlen's choice
-// where bfloat16 dot products do not pay) and its output is rounded back to `act`.
+// `bf16_dots`: bfloat16 queries are scored with bfloat16 dot products, else with float32
+// FMAs on their values (torch_paged._varlen's choice, where bfloat16 dot products do not
+// pay).
 template <typename LinearFn>
-at::Tensor run_layers(StackLayers& st, LinearFn linear, at::ScalarType act, bool widen_queries,
+at::Tensor run_layers(StackLayers& st, LinearFn linear, at::ScalarType act, bool bf16_dots,
                       at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, const at::Tensor& slot_mapping,
                       const at::Tensor& block_tables, const at::Tensor& query_start,
@@ -133,8 +134,8 @@ at::Tensor run_layers(StackLayers& st, LinearFn linear, at::ScalarType act, bool
                                         v_scale);
     const at::Tensor& q = std::get<0>(q_k);
     at::Tensor attn = paged_attention.call(
-        (widen_queries ? q.to(at::kFloat) : q).contiguous(), st.k_caches[i], st.v_caches[i],
-        block_tables, query_start, seq_lens, st.scale, k_scale, v_scale, st.int8_dots);
+        q.contiguous(), st.k_caches[i], st.v_caches[i], block_tables, query_start, seq_lens,
+        st.scale, k_scale, v_scale, st.int8_dots, bf16_dots);
     if (attn.scalar_type() != act) attn = attn.to(act);
     const at::Tensor o = linear(attn.reshape({x.size(0), -1}).contiguous(), i, 1);
     const at::Tensor h2 = rms_norm.call(x, w[1], st.eps, act, o);
@@ -163,16 +164,16 @@ struct DecodeStack : StackLayers, torch::CustomClassHolder {
     auto linear = [&](const at::Tensor& in, size_t layer, int64_t which) {
       return gguf_matmul.call(in, weight(layer, which), linear_arg(layer, which));
     };
-    return run_layers(*this, linear, at::kFloat, /*widen_queries=*/false, x, positions, cos,
+    return run_layers(*this, linear, at::kFloat, /*bf16_dots=*/false, x, positions, cos,
                       sin, slot_mapping, block_tables, query_start, seq_lens);
   }
 };
 
 // The same for bfloat16 steps whose decoder linears read 4-bit GGUF blocks with AMX tiles
 // (csrc/gguf_amx_linear.cpp): the weights are gguf_amx_pack's, per_linear holds the
-// projections' output sizes; bf16_queries: the attention takes the bfloat16 queries as
-// they are (else they widen to float32, as torch_paged._varlen does where bfloat16 dot
-// products do not pay).
+// projections' output sizes; bf16_queries: the attention scores the bfloat16 queries
+// with bfloat16 dot products (else with float32 FMAs on their values, as
+// torch_paged._varlen does where bfloat16 dot products do not pay).
 struct DecodeStackTiles : StackLayers, torch::CustomClassHolder {
   bool bf16_queries;
 
@@ -193,7 +194,7 @@ struct DecodeStackTiles : StackLayers, torch::CustomClassHolder {
     auto linear = [&](const at::Tensor& in, size_t layer, int64_t which) {
       return gguf_amx_linear.call(in, weight(layer, which), linear_arg(layer, which), false);
     };
-    return run_layers(*this, linear, at::kBFloat16, !bf16_queries, x, positions, cos, sin,
+    return run_layers(*this, linear, at::kBFloat16, bf16_queries, x, positions, cos, sin,
                       slot_mapping, block_tables, query_start, seq_lens);
   }
 };

@@ -11,6 +11,10 @@
 //   seq_lens:     [S] int32       context length of s after this step (cached + new)
 //   int8_dots:    an int8 cache's keys scored with int8 dot products where the CPU has
 //                 AVX512-VNNI and VBMI (the queries rounded per row, see score_blocks_int8)
+//   bf16_dots:    bfloat16 queries on a bfloat16 cache scored (and their values weighed)
+//                 with bfloat16 dot products where the CPU has AVX512-BF16; false: float32
+//                 FMAs on the queries' values, the result rounded to bfloat16 once, as
+//                 passing them widened to float32 and rounding the float32 result gives
 //   returns:      [T, H, D] in q's dtype (float32 or bfloat16; computed in float32)
 //
 // Query i of sequence s sits at position seq_lens[s] - q_len + i and sees keys 0..position
@@ -730,7 +734,8 @@ template <typename kv_t, typename q_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start,
             const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& k_scale,
-            const std::optional<at::Tensor>& v_scale, bool int8_dots_allowed, at::Tensor& out) {
+            const std::optional<at::Tensor>& v_scale, bool int8_dots_allowed,
+            bool bf16_dots_allowed, at::Tensor& out) {
   const Shape shape{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2),
                     k_cache.size(3), block_tables.size(1)};
   const q_t* q_ptr = q.data_ptr<q_t>();
@@ -779,10 +784,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const float* v_scale_ptr = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
 
   // bfloat16 queries against a bfloat16 cache: keys scored with bfloat16 dot products
-  // (score_blocks_bf16), the queries' exact values; float32 queries keep float32 FMAs.
+  // (score_blocks_bf16), the queries' exact values, unless the caller asks for float32
+  // FMAs (as float32 queries always get).
   bool bf16_dots = false;
 #if defined(__AVX512BF16__)
-  bf16_dots = std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16> &&
+  bf16_dots = bf16_dots_allowed && std::is_same_v<q_t, at::BFloat16> &&
+              std::is_same_v<kv_t, at::BFloat16> &&
               shape.block_size % 16 == 0 && D % 2 == 0;
 #endif
   // An int8 cache: keys scored with int8 dot products on the queries quantised per row
@@ -872,7 +879,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            double scale, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale, bool int8_dots) {
+                           const std::optional<at::Tensor>& v_scale, bool int8_dots,
+                           bool bf16_dots) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "q must be a contiguous float32 or bfloat16 [T, H, D] tensor");
@@ -904,10 +912,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     using kv_t = decltype(kv_zero);
     if (q.scalar_type() == at::kFloat) {
       attend<kv_t, float>(q, k_cache, v_cache, tables, query_start, seq_lens, scale, k_scale,
-                          v_scale, int8_dots, out);
+                          v_scale, int8_dots, bf16_dots, out);
     } else {
       attend<kv_t, at::BFloat16>(q, k_cache, v_cache, tables, query_start, seq_lens, scale,
-                                 k_scale, v_scale, int8_dots, out);
+                                 k_scale, v_scale, int8_dots, bf16_dots, out);
     }
   };
   if (k_cache.scalar_type() == at::kFloat) {
@@ -928,6 +936,6 @@ TORCH_LIBRARY(inflight, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_start, Tensor seq_lens, float scale, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, bool int8_dots=True) -> Tensor");
+      "Tensor? v_scale=None, bool int8_dots=True, bool bf16_dots=True) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
