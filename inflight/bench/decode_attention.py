@@ -1,7 +1,7 @@
 """Decode attention from DRAM: the paged attention kernel alone, at a step's shapes.
 
     python -m inflight.bench.decode_attention [--seqs 57] [--context 450] [--layers 30]
-        [--kv-cache-dtype bfloat16] [--block-size 16] [--order random]
+        [--kv-cache-dtype bfloat16] [--block-size 16] [--order random|sequential|engine]
 
 One decode token per sequence attends to ``context`` cached tokens, layer after layer,
 each layer with its own cache region allocated as the engine allocates it (one memory
@@ -74,11 +74,31 @@ class DecodeAttentionTiming:
         return self.shape.kv_bytes_per_layer() / (self.ms_per_layer * 1e-3) / 1e9
 
 
+def block_tables(order: str, seqs: int, per_seq: int, num_blocks: int,
+                 generator: torch.Generator) -> torch.Tensor:
+    """``[seqs, per_seq]`` int32 block ids, distinct, laid out as ``order`` says (see
+    :func:`measure`)."""
+    if order == "random":
+        blocks = torch.randperm(num_blocks, generator=generator)[: seqs * per_seq]
+        return blocks.int().view(seqs, per_seq)
+    if order == "engine":
+        prompt = per_seq * 2 // 3
+        runs = torch.arange(seqs * prompt).view(seqs, prompt)
+        grown = seqs * prompt + torch.arange(seqs * (per_seq - prompt))
+        return torch.cat([runs, grown.view(per_seq - prompt, seqs).T], dim=1).int()
+    if order == "sequential":
+        return torch.arange(seqs * per_seq).int().view(seqs, per_seq)
+    raise ValueError(f"order must be random, sequential or engine, got {order!r}")
+
+
 def measure(shape: DecodeAttentionShape, order: str = "random", repeats: int = 10,
             seed: int = 0) -> DecodeAttentionTiming:
     """Mean wall time of one layer's paged attention call over ``repeats`` passes through
     all layers (after two warm-up passes). ``order``: ``random`` scatters each sequence's
-    blocks over the cache (a long-running server), ``sequential`` gives them in order."""
+    blocks over the cache (a long-running server), ``sequential`` gives them in order,
+    ``engine`` lays them out as a fresh engine's block pool does on ``mixed``: each
+    sequence's prompt blocks (the first two thirds) in one run, the blocks its decode
+    tokens add later taken in turn with the other sequences'."""
     generator = torch.Generator().manual_seed(seed)
     dtype = shape.dtype
     per_seq = -(-shape.context // shape.block_size)
@@ -96,11 +116,7 @@ def measure(shape: DecodeAttentionShape, order: str = "random", repeats: int = 1
         for part in (layer.k_scale, layer.v_scale):
             if part is not None:  # int8 only
                 part.copy_(torch.rand(part.shape, generator=generator) * 0.02)
-    if order == "random":
-        blocks = torch.randperm(num_blocks, generator=generator)[: shape.seqs * per_seq]
-    else:
-        blocks = torch.arange(shape.seqs * per_seq)
-    tables = blocks.int().view(shape.seqs, per_seq)
+    tables = block_tables(order, shape.seqs, per_seq, num_blocks, generator)
     # The queries as the engine passes them (attention/torch_paged._varlen): bfloat16
     # against a bfloat16 cache (scored with bfloat16 dot products where they pay, see
     # cpu.paged_attention's bf16_dots), else float32.
@@ -130,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-dtype", choices=CACHE_DTYPE_CHOICES, default="bfloat16")
-    parser.add_argument("--order", choices=["random", "sequential"], default="random")
+    parser.add_argument("--order", choices=["random", "sequential", "engine"], default="random")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
     if not cpu.available():

@@ -2,7 +2,9 @@
 
 import pytest
 
-from inflight.bench.decode_attention import DecodeAttentionShape, main, measure
+import torch
+
+from inflight.bench.decode_attention import DecodeAttentionShape, block_tables, main, measure
 from inflight.kernels import cpu
 
 
@@ -24,3 +26,16 @@ def test_measures_every_layer_of_the_engines_cache(dtype, capsys):
     assert main(["--seqs", "2", "--context", "17", "--layers", "1", "--repeats", "1",
                  "--kv-cache-dtype", dtype]) == 0
     assert "2 sequences x 17 tokens, 1 layers" in capsys.readouterr().out
+
+
+def test_engine_order_runs_each_prompt_and_interleaves_the_grown_blocks():
+    """``--order engine``: sequence s's first two thirds of blocks in one run, then the
+    blocks added while decoding taken in turn (s, s + seqs, ...); every id used once."""
+    tables = block_tables("engine", 3, 6, 20, torch.Generator().manual_seed(0))
+    assert tables.tolist() == [[0, 1, 2, 3, 12, 15], [4, 5, 6, 7, 13, 16],
+                               [8, 9, 10, 11, 14, 17]]
+    for order in ("random", "sequential", "engine"):
+        ids = block_tables(order, 5, 7, 40, torch.Generator().manual_seed(1)).flatten()
+        assert len(set(ids.tolist())) == 35 and int(ids.max()) < 40
+    with pytest.raises(ValueError, match="order"):
+        block_tables("shuffled", 1, 1, 1, torch.Generator())
