@@ -1,7 +1,6 @@
 """The decode attention microbenchmark: its byte accounting and its run on the engine's caches."""
 
 import pytest
-
 import torch
 
 from inflight.bench.decode_attention import DecodeAttentionShape, block_tables, main, measure
