@@ -40,10 +40,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -295,17 +296,17 @@ at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int6
     std::vector<int32_t> index;
     std::vector<uint8_t> nan;
   };
-  std::vector<Part> parts(N / 32);  // at most one per strip pair (grain 1)
-  std::atomic<int64_t> used{0};
+  std::deque<Part> parts;  // one per parallel chunk; a deque keeps earlier ones in place
+  std::mutex adding;
   for_strip_pairs(x, packed, N, [&](int64_t begin) {
-    Part& part = parts[used++];
+    std::lock_guard<std::mutex> hold(adding);
+    Part& part = parts.emplace_back();
     part.begin = begin;
     part.top.assign(M, -std::numeric_limits<float>::infinity());
     part.index.assign(M, -1);
     part.nan.assign(M, 0);
     return RunningArgmax{part.top.data(), part.index.data(), part.nan.data()};
   });
-  parts.resize(used.load());
   std::sort(parts.begin(), parts.end(),
             [](const Part& a, const Part& b) { return a.begin < b.begin; });
   int64_t* out = tokens.data_ptr<int64_t>();
