@@ -75,7 +75,8 @@ def paged_attention(
     """See csrc/paged_attention.cpp for shapes; q and the result are float32 or bfloat16
     (computed in float32). ``k_scale`` and ``v_scale`` come with (and only with) an int8
     cache; ``int8_dots`` (default :func:`int8_query_dots`) lets an int8 cache's keys be
-    scored with int8 dot products where the CPU has them; ``bf16_dots`` (default
+    scored with int8 dot products, and its values weighed with int16 ones, where the CPU
+    has them; ``bf16_dots`` (default
     :func:`bf16_dots_pay`) lets bfloat16 queries on a bfloat16 cache use bfloat16 dot
     products (else float32 FMAs on their values, the result still bfloat16)."""
     if int8_dots is None:
@@ -93,9 +94,11 @@ def int8_query_dots() -> bool:
     """Whether paged attention scores an int8 KV cache's keys with int8 dot products
     (AVX512-VNNI ``vpdpbusd``, on CPUs that also have AVX512-VBMI) on the queries rounded
     per row to int8 steps of max|q| / 127, instead of widening every key to float32
-    (``csrc/paged_attention.cpp``, ``score_blocks_int8``). The rounding is of the size of
-    the keys' own int8 rounding. ``INFLIGHT_INT8_DOTS`` = ``int8`` (default) or ``fp32``
-    (float32 FMAs on the exact queries)."""
+    (``csrc/paged_attention.cpp``, ``score_blocks_int8``), and, at head_dim 64, weighs its
+    values with int16 dot products (``vpdpwssd``) on each row's probabilities rounded to
+    15-bit steps of the row's largest (``weigh_values_int16``). Both roundings are smaller
+    than the cache's own int8 rounding. ``INFLIGHT_INT8_DOTS`` = ``int8`` (default) or
+    ``fp32`` (float32 FMAs on the exact queries and probabilities)."""
     chosen = os.environ.get("INFLIGHT_INT8_DOTS", "int8")
     if chosen not in ("int8", "fp32"):
         raise ValueError(f"INFLIGHT_INT8_DOTS must be int8 or fp32, got {chosen!r}")

@@ -445,15 +445,16 @@ def test_decode_heads_by_block_are_bit_identical_to_head_after_head(
         assert torch.equal(alone, batch[s : s + 1]), f"sequence {s} ({context[s]} keys)"
 
 
-def int8_step(block_size: int, context: list[int], q_len: list[int], seed: int):
+def int8_step(block_size: int, context: list[int], q_len: list[int], seed: int,
+              head_dim: int = HEAD_DIM):
     """A random int8 cache (values -127..127, positive scales), blocks shuffled, and the
     block tables, query starts and lengths of sequences with `context` keys after this
     step's `q_len` query tokens each."""
     torch.manual_seed(seed)
     per_seq = [-(-n // block_size) for n in context]
     num_blocks = sum(per_seq) + 3
-    k_cache = torch.randint(-127, 128, (num_blocks, KV_HEADS, HEAD_DIM, block_size), dtype=torch.int8)
-    v_cache = torch.randint(-127, 128, (num_blocks, block_size, KV_HEADS, HEAD_DIM), dtype=torch.int8)
+    k_cache = torch.randint(-127, 128, (num_blocks, KV_HEADS, head_dim, block_size), dtype=torch.int8)
+    v_cache = torch.randint(-127, 128, (num_blocks, block_size, KV_HEADS, head_dim), dtype=torch.int8)
     k_scale = torch.rand(num_blocks, KV_HEADS, block_size) * 0.02 + 1e-3
     v_scale = torch.rand(num_blocks, KV_HEADS, block_size) * 0.02 + 1e-3
     tables = scattered_tables(per_seq, num_blocks)
@@ -471,12 +472,15 @@ def test_int8_key_dots_are_exact_on_queries_that_are_their_own_int8_steps(block_
     (step 1), and every sum of their products with int8 keys is a whole number below 2^24,
     exact in float32 too: the int8 dot products (vpdpbusd on biased bytes, keys permuted
     to four dimensions a lane, the bias taken back with each key's sum) must give the
-    float32 FMA path's output bit for bit. A wrong byte order, bias or step would not."""
+    float32 FMA path's output bit for bit. A wrong byte order, bias or step would not.
+    (head_dim 128: the values' int16 dot products, which round the probabilities, take
+    head_dim 64 only, so here the outputs show the keys' dot products alone.)"""
     if not cpu_kernels.available():
         pytest.skip("the C++ kernel could not be built here")
     context, q_len = INT8_SHAPES
-    k_cache, v_cache, k_scale, v_scale, tables, starts, lens = int8_step(block_size, context, q_len, 5)
-    q = torch.randint(-126, 127, (sum(q_len), HEADS, HEAD_DIM)).float()
+    k_cache, v_cache, k_scale, v_scale, tables, starts, lens = int8_step(
+        block_size, context, q_len, 5, head_dim=128)
+    q = torch.randint(-126, 127, (sum(q_len), HEADS, 128)).float()
     q[..., 7] = torch.where(torch.rand(sum(q_len), HEADS) < 0.5, -127.0, 127.0)  # each row's max
     args = (q, k_cache, v_cache, tables, starts, lens, 1.0, k_scale, v_scale)
     int8 = cpu_kernels.paged_attention(*args, int8_dots=True)
@@ -489,13 +493,15 @@ def test_int8_key_dots_round_only_the_queries(block_size):
     """On ordinary queries the int8 path differs from the float32 one only by the queries'
     rounding to int8 steps: against the float32 path on the queries rounded the same way
     (in Python) it agrees to float32 rounding, and against the exact queries it is close
-    but, on a CPU with the instructions, not equal (the path was taken)."""
+    but, on a CPU with the instructions, not equal (the path was taken). head_dim 128,
+    where the values keep float32 FMAs (see the int16 value tests below)."""
     if not cpu_kernels.available():
         pytest.skip("the C++ kernel could not be built here")
     context, q_len = INT8_SHAPES
-    k_cache, v_cache, k_scale, v_scale, tables, starts, lens = int8_step(block_size, context, q_len, 6)
-    scale = HEAD_DIM**-0.5
-    q = torch.randn(sum(q_len), HEADS, HEAD_DIM) * 3
+    k_cache, v_cache, k_scale, v_scale, tables, starts, lens = int8_step(
+        block_size, context, q_len, 6, head_dim=128)
+    scale = 128**-0.5
+    q = torch.randn(sum(q_len), HEADS, 128) * 3
     step = (q * scale).abs().amax(dim=-1, keepdim=True) / 127
     rounded = torch.round(q * scale / step) * step / scale
     tables_args = (k_cache, v_cache, tables, starts, lens, scale, k_scale, v_scale)
@@ -509,6 +515,65 @@ def test_int8_key_dots_round_only_the_queries(block_size):
     assert error.mean() < 0.02 * exact.abs().mean() and error.max() < 0.1
     if {"avx512_vnni", "avx512vbmi"} <= cpu_flags():
         assert not torch.equal(int8, exact)
+
+
+INT16_VALUES = {"avx512_vnni", "avx512vbmi"}
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("context", [1, 7, 450, 1500])
+def test_int8_value_dots_are_exact_where_the_probabilities_are_their_own_steps(
+    block_size, context
+):
+    """Zero queries give every key the same probability and equal value scales give every
+    p * scale the same size: each is then the row's largest, exactly 32767 steps, so the
+    int16 dot products (values interleaved by key pairs, widened, summed in int32) must
+    give the float32 path's output to float32 rounding. Every value is +127 or -127 by
+    dimension, so 1500 keys would overflow int32 sums that were never moved to float32;
+    an odd count checks the last key's pairing with zero."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    k_cache, v_cache, k_scale, v_scale, tables, starts, lens = int8_step(
+        block_size, [context, 3], [1, 1], 8)
+    sign = torch.where(torch.arange(HEAD_DIM) % 3 == 0, -127, 127).to(torch.int8)
+    v_cache[:] = sign
+    v_scale.fill_(0.01)
+    q = torch.zeros(2, HEADS, HEAD_DIM)
+    args = (q, k_cache, v_cache, tables, starts, lens, HEAD_DIM**-0.5, k_scale, v_scale)
+    int16 = cpu_kernels.paged_attention(*args, int8_dots=True)
+    fp32 = cpu_kernels.paged_attention(*args, int8_dots=False)
+    expected = (sign.float() * 0.01).expand_as(fp32)
+    torch.testing.assert_close(fp32, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(int16, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_int8_value_dots_round_each_probability_by_at_most_half_a_step(block_size):
+    """On ordinary queries the int8 path differs from the float32 path on the same rounded
+    queries only by each row's probabilities (times their values' scales) rounded to
+    steps of the row's largest / 32767: |error| <= sum over keys of step / 2 * |value|,
+    bounded here with each row's largest scale. A wrong pairing of keys or order of
+    dimensions moves outputs by a hundred times that; on a CPU with the instructions the
+    outputs are not equal (the path was taken)."""
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernel could not be built here")
+    context, q_len = INT8_SHAPES
+    k_cache, v_cache, k_scale, v_scale, tables, starts, lens = int8_step(block_size, context, q_len, 9)
+    scale = HEAD_DIM**-0.5
+    q = torch.randn(sum(q_len), HEADS, HEAD_DIM) * 3
+    step = (q * scale).abs().amax(dim=-1, keepdim=True) / 127
+    rounded = torch.round(q * scale / step) * step / scale
+    tables_args = (k_cache, v_cache, tables, starts, lens, scale, k_scale, v_scale)
+    int8 = cpu_kernels.paged_attention(q, *tables_args, int8_dots=True)
+    on_rounded = cpu_kernels.paged_attention(rounded, *tables_args, int8_dots=False)
+    largest_scale = v_scale.max().item()
+    bound = torch.cat([
+        torch.full((n, HEADS, HEAD_DIM), largest_scale / 32767 / 2 * 127 * keys)
+        for n, keys in zip(q_len, context, strict=True)
+    ])
+    assert ((int8 - on_rounded).abs() <= bound + 1e-6).all()
+    if INT16_VALUES <= cpu_flags():
+        assert not torch.equal(int8, on_rounded)
 
 
 @pytest.mark.parametrize("head_dim", [64, 72])  # the vector and the scalar rounding loop
