@@ -373,18 +373,18 @@ void pack_value_pairs(const PromptShape& sh, const at::BFloat16* v, int64_t kv_h
   }
 }
 
-// Raw scores (unscaled) of a 16-row query tile (A, row stride D) against NB key blocks of
+// Raw scores (unscaled) of a 16-row query tile (A, row stride q_ld elements) against NB key blocks of
 // 16, into scores[16][stride] at the blocks' columns.
 template <int NB>
-inline void amx_scores(const at::BFloat16* qtile, int64_t D, const uint32_t* kblock,
-                       float* scores, int64_t stride) {
+inline void amx_scores(const at::BFloat16* qtile, int64_t q_ld, int64_t D,
+                       const uint32_t* kblock, float* scores, int64_t stride) {
   const int64_t pairs = D / 2;
   _tile_zero(0);
   if constexpr (NB > 1) _tile_zero(1);
   if constexpr (NB > 2) _tile_zero(2);
   if constexpr (NB > 3) _tile_zero(3);
   for (int64_t k = 0; k < D / 32; ++k) {
-    _tile_loadd(4, qtile + 32 * k, D * 2);
+    _tile_loadd(4, qtile + 32 * k, q_ld * 2);
     const uint32_t* kb = kblock + k * 16 * 16;  // pair rows 16 k .. 16 k + 15
     _tile_loadd(6, kb, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -508,49 +508,82 @@ float split_numerators(const float* row, int64_t visible, int64_t width, float s
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
-// One item on AMX tiles, 16 of its rows at a time (a last tile's rows past the item are
-// zero queries, their numerators zero and their outputs dropped): scores
-// against the keys the tile's last row sees, the numerators split in two bfloat16 parts,
-// P @ V in 4 chunks of 16 dims at a time.
-void amx_item(const PromptShape& sh, const TileItem& it, const Packed& p,
-              const at::BFloat16* qp, float fscale, at::BFloat16* op, Scratch& s) {
-  const int64_t D = sh.D, pairs = D / 2, G = sh.group, chunks = D / 16;
-  const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * G;
-  // Rows of scores and numerators one cache line longer than a power of two's multiple,
-  // so a tile's 16 rows do not all fall into the same L1 sets.
-  const int64_t max_width = (it.q_end + 31) / 32 * 32;
-  at::BFloat16* qt = aligned(s.q, 16 * D);  // the tile's queries, gathered
-  float* sc = aligned(s.scores, 16 * (max_width + 16));
-  at::BFloat16* hi = aligned(s.hi, 16 * (max_width + 32));
-  at::BFloat16* lo = aligned(s.lo, 16 * (max_width + 32));
-  float* result = aligned(s.result, 16 * D);
-  float inv_sums[16];
-  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-    const int64_t n = std::min<int64_t>(16, rows - r0);
-    for (int64_t r = 0; r < 16; ++r) {
-      if (r < n) {
-        const at::BFloat16* src = qp + token_of(p, it, G, r0 + r) * sh.q_token_stride +
-                                  head_of(it, G, r0 + r) * sh.q_head_stride;
-        for (int64_t d = 0; d < D; d += 32)
-          _mm512_store_si512(qt + r * D + d, _mm512_loadu_si512(src + d));
-      } else {
-        for (int64_t d = 0; d < D; d += 32) _mm512_store_si512(qt + r * D + d, _mm512_setzero_si512());
+// The AMX path's rows: an item's tile g holds head kv_head * G + g for each of the item's
+// query tokens in order (row r = token q_begin + r), so a full item's query tile is one
+// strided load straight from q (a gathered copy made the tile load wait for its stores
+// to drain: ~8% of the kernel on the Intel Xeon with AMX).
+inline const at::BFloat16* query_row(const PromptShape& sh, const TileItem& it, const Packed& p,
+                                     const at::BFloat16* qp, int64_t g, int64_t r) {
+  return qp + (p.first + it.q_begin + r) * sh.q_token_stride +
+         (it.kv_head * sh.group + g) * sh.q_head_stride;
+}
+inline at::BFloat16* out_row(const PromptShape& sh, const TileItem& it, const Packed& p,
+                             at::BFloat16* op, int64_t g, int64_t r) {
+  return op + (p.first + it.q_begin + r) * sh.out_token_stride +
+         (it.kv_head * sh.group + g) * sh.out_head_stride;
+}
+
+// Prefetches an item's queries, and its output rows for writing: the step's queries and
+// outputs are megabytes, in L3 or memory by the time an item reaches them.
+inline void prefetch_item_rows(const PromptShape& sh, const TileItem& it, const Packed& p,
+                               const at::BFloat16* qp, at::BFloat16* op) {
+  const int64_t row_bytes = sh.D * 2;
+  for (int64_t r = 0; r < it.q_end - it.q_begin; ++r) {
+    for (int64_t g = 0; g < sh.group; ++g) {
+      const auto* q = reinterpret_cast<const char*>(query_row(sh, it, p, qp, g, r));
+      auto* o = reinterpret_cast<char*>(out_row(sh, it, p, op, g, r));
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        _mm_prefetch(q + b, _MM_HINT_T0);
+        _m_prefetchw(o + b);
       }
     }
-    const int64_t keys = it.q_begin + (r0 + n - 1) / G + 1;  // what the last row sees
-    const int64_t blocks = (keys + 15) / 16, width = (keys + 31) / 32 * 32;
-    const int64_t ld = width + 16, ldp = width + 32;  // scores', numerators' row strides
+  }
+}
+
+// One item on AMX tiles, one head of its KV group at a time (16 rows: the item's query
+// tokens, a last item's rows past its prompt zero queries whose numerators are zero and
+// outputs dropped): scores against the keys the item's last token sees, the numerators
+// split in two bfloat16 parts, P @ V in 4 chunks of 16 dims at a time. `next` / `next_p`:
+// the item this worker takes after this one (or null), prefetched during the last head.
+void amx_item(const PromptShape& sh, const TileItem& it, const Packed& p,
+              const at::BFloat16* qp, float fscale, at::BFloat16* op, Scratch& s,
+              const TileItem* next, const Packed* next_p) {
+  const int64_t D = sh.D, pairs = D / 2, G = sh.group, chunks = D / 16;
+  const int64_t n = it.q_end - it.q_begin;  // query tokens, at most 16
+  const int64_t keys = it.q_end;             // what the last token sees
+  const int64_t blocks = (keys + 15) / 16, width = (keys + 31) / 32 * 32;
+  // Rows of scores and numerators one cache line longer than a power of two's multiple,
+  // so a tile's 16 rows do not all fall into the same L1 sets.
+  const int64_t ld = width + 16, ldp = width + 32;  // scores', numerators' row strides
+  at::BFloat16* qt = aligned(s.q, 16 * D);  // a partial item's queries, gathered and padded
+  float* sc = aligned(s.scores, 16 * ld);
+  at::BFloat16* hi = aligned(s.hi, 16 * ldp);
+  at::BFloat16* lo = aligned(s.lo, 16 * ldp);
+  float* result = aligned(s.result, 16 * D);
+  float inv_sums[16];
+  for (int64_t g = 0; g < G; ++g) {
+    if (g == G - 1 && next != nullptr) prefetch_item_rows(sh, *next, *next_p, qp, op);
+    const at::BFloat16* qtile = query_row(sh, it, p, qp, g, 0);
+    int64_t q_ld = sh.q_token_stride;
+    if (n < 16) {
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t d = 0; d < D; d += 32)
+          _mm512_store_si512(qt + r * D + d, r < n ? _mm512_loadu_si512(query_row(sh, it, p, qp, g, r) + d)
+                                                   : _mm512_setzero_si512());
+      qtile = qt;
+      q_ld = D;
+    }
     int64_t b = 0;
     for (; b + 4 <= blocks; b += 4)
-      amx_scores<4>(qt, D, p.keys + b * pairs * 16, sc + b * 16, ld);
+      amx_scores<4>(qtile, q_ld, D, p.keys + b * pairs * 16, sc + b * 16, ld);
     switch (blocks - b) {
-      case 1: amx_scores<1>(qt, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
-      case 2: amx_scores<2>(qt, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
-      case 3: amx_scores<3>(qt, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
+      case 1: amx_scores<1>(qtile, q_ld, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
+      case 2: amx_scores<2>(qtile, q_ld, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
+      case 3: amx_scores<3>(qtile, q_ld, D, p.keys + b * pairs * 16, sc + b * 16, ld); break;
       default: break;
     }
     for (int64_t r = 0; r < 16; ++r) {
-      const int64_t visible = r < n ? it.q_begin + (r0 + r) / G + 1 : 0;
+      const int64_t visible = r < n ? it.q_begin + r + 1 : 0;
       inv_sums[r] = split_numerators(sc + r * ld, visible, width, fscale, hi + r * ldp,
                                      lo + r * ldp);
     }
@@ -564,8 +597,7 @@ void amx_item(const PromptShape& sh, const TileItem& it, const Packed& p,
       }
     }
     for (int64_t r = 0; r < n; ++r) {
-      at::BFloat16* dst = op + token_of(p, it, G, r0 + r) * sh.out_token_stride +
-                          head_of(it, G, r0 + r) * sh.out_head_stride;
+      at::BFloat16* dst = out_row(sh, it, p, op, g, r);
       const __m512 inv = _mm512_set1_ps(inv_sums[r]);
       for (int64_t d = 0; d < D; d += 16)
         store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(result + r * D + d), inv));
@@ -630,15 +662,45 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   const auto* kp = k.data_ptr<at::BFloat16>();
   const auto* vp = v.data_ptr<at::BFloat16>();
+  const auto* qp = q.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+#if defined(INFLIGHT_PROMPT_AMX)
+  if (amx) {
+    // Whole (prompt, KV head) pairs per worker, dearest first: a pair is packed and its
+    // items run in order by the same core, so its keys and values are read from that
+    // core's L2 instead of wherever the packing ran (on the Intel Xeon with AMX, 1.1x on
+    // `mixed`-like steps against items handed out one by one).
+    const int64_t num_pairs = num_prompts * KVH;
+    std::vector<int64_t> first_item(num_pairs + 1, 0), pair_order(num_pairs);
+    for (int64_t i = 0; i < num_pairs; ++i) {
+      first_item[i + 1] = first_item[i] + (cp[i / KVH] + kTile - 1) / kTile;
+      pair_order[i] = i;
+    }
+    std::stable_sort(pair_order.begin(), pair_order.end(),
+                     [&](int64_t a, int64_t b) { return cp[a / KVH] > cp[b / KVH]; });
+    std::atomic<int64_t> next_pair{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_pairs);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      Scratch scratch;
+      load_tile_config();
+      for (int64_t w = next_pair++; w < num_pairs; w = next_pair++) {
+        const int64_t i = pair_order[w];
+        pack_keys(sh, kp, i % KVH, packed[i]);
+        pack_value_pairs(sh, vp, i % KVH, packed[i]);
+        for (int64_t j = first_item[i]; j < first_item[i + 1]; ++j) {
+          const TileItem* following = j + 1 < first_item[i + 1] ? &items[j + 1] : nullptr;
+          amx_item(sh, items[j], packed[i], qp, fscale, op, scratch, following, &packed[i]);
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, num_prompts * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       pack_keys(sh, kp, i % KVH, packed[i]);
-#if defined(INFLIGHT_PROMPT_AMX)
-      if (amx) {
-        pack_value_pairs(sh, vp, i % KVH, packed[i]);
-        continue;
-      }
-#endif
       pack_values(sh, vp, i % KVH, packed[i]);
     }
   });
@@ -651,23 +713,8 @@ void bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
-  const auto* qp = q.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  const float fscale = static_cast<float>(scale);
-
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch;
-#if defined(INFLIGHT_PROMPT_AMX)
-    if (amx) {
-      load_tile_config();
-      for (int64_t w = next++; w < num_items; w = next++) {
-        const TileItem& it = items[order[w]];
-        amx_item(sh, it, packed[it.prompt * KVH + it.kv_head], qp, fscale, op, scratch);
-      }
-      _tile_release();
-      return;
-    }
-#endif
     for (int64_t w = next++; w < num_items; w = next++) {
       const TileItem& it = items[order[w]];
       dot_item(sh, it, packed[it.prompt * KVH + it.kv_head], qp, fscale, op, scratch);
