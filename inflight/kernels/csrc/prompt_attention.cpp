@@ -449,21 +449,14 @@ inline __mmask16 first_lanes(int64_t n) {
 }
 
 // 2^x for x <= 0 (near 0 up to a rounding), lanes outside `keep` zero: 2^n * 2^f with
-// n = round(x), f = x - n in [-0.5, 0.5] (vreduceps) and 2^f by a degree-5 polynomial
-// (fitted to relative error 1.1e-7, as vec_math's exp512). x is clamped at -100: a
+// n = round(x), f = x - n in [-0.5, 0.5] (vreduceps) and 2^f by vec_math's exp2_fraction. x is clamped at -100: a
 // numerator below 2^-100 of the row's largest changes nothing, and no result or lo part
 // is subnormal (whose arithmetic can take microcode assists).
 inline __m512 exp2_lanes(__m512 x, __mmask16 keep) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 n = _mm512_sub_ps(x, f);
-  __m512 p = _mm512_set1_ps(1.3218677e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6717076e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5508930e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022238e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314688e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(keep, p, n);
+  return _mm512_maskz_scalef_ps(keep, exp2_fraction(f), n);
 }
 
 // p rounded to bfloat16 (to nearest, ties away from zero), still in float32: exact in
