@@ -182,6 +182,16 @@ def bf16_linear(
     return torch.ops.inflight.bf16_linear(x, packed, out_features, float32_out)
 
 
+def bf16_linear_argmax(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """Greedy token ids ``[M] int64`` for ``x [M, K] bfloat16``: each row's lowest index of
+    its largest float32 sum, as :func:`bf16_linear` with ``float32_out`` followed by
+    ``max(dim=-1).indices``, without the ``[M, N]`` logits; -1 for a row holding a NaN
+    or only -inf (take those from the logits)."""
+    return torch.ops.inflight.bf16_linear_argmax(x, packed, out_features)
+
+
 @cache
 def amx_linear_available() -> bool:
     """Whether this build has the AMX linear (the CPU has AMX tiles and the OS grants them)."""
@@ -214,16 +224,17 @@ def decode_stack_tiles(
     layer_tensors: list[torch.Tensor], out_features: list[int], eps: float,
     k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
     k_scales: list[torch.Tensor], v_scales: list[torch.Tensor],
-    num_heads: int, num_kv_heads: int, scale: float,
+    num_heads: int, num_kv_heads: int, scale: float, pair_tiles: bool = False,
 ) -> torch.ScriptObject:
     """:func:`decode_stack` for bfloat16 steps whose decoder linears read 4-bit blocks with
     AMX tiles: ``layer_tensors`` holds :func:`gguf_amx_pack`'s blocks in place of the GGUF
-    blocks, ``out_features`` the projections' output sizes (4 a layer). The attention
-    takes the queries as ``torch_paged._varlen`` does (bfloat16 where bfloat16 dot
-    products pay, else widened to float32)."""
+    blocks, ``out_features`` the projections' output sizes (4 a layer); with
+    ``pair_tiles``, :func:`bf16_pack_pairs`' tiles instead (:func:`bf16_linear`). The
+    attention takes the queries as ``torch_paged._varlen`` does (bfloat16 where bfloat16
+    dot products pay, else widened to float32)."""
     return torch.classes.inflight.DecodeStackTiles(
         layer_tensors, out_features, eps, k_caches, v_caches, k_scales, v_scales,
-        num_heads, num_kv_heads, scale, int8_query_dots(), bf16_dots_pay(),
+        num_heads, num_kv_heads, scale, int8_query_dots(), bf16_dots_pay(), pair_tiles,
     )
 
 

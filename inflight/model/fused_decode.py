@@ -7,7 +7,8 @@ outputs are bit-identical to the layer-by-layer path (tests/e2e/test_fused_decod
 holds the layers' weights and KV caches, so a step passes only its own tensors.
 
 ``FusedDecodeTiles`` does the same for the bfloat16 decode steps past the block kernel's
-rows whose linears read 4-bit blocks with AMX tiles (``Linear.use_gguf_amx``): on the
+rows whose linears read 4-bit blocks with AMX tiles (``Linear.use_gguf_amx``), or, on CPUs
+with AVX512-BF16 and no AMX, bfloat16 pair tiles (``Linear.use_pair_weight``): on the
 Intel Xeon with AMX a ``mixed`` decode step of 9-128 sequences made ~780 Python-level op
 calls, 3-5 ms of a 35-130 ms step.
 """
@@ -146,33 +147,48 @@ class _StackCache:
 @dataclass(slots=True)
 class FusedDecodeTiles:
     """The bfloat16 decode steps of ``block_max_rows < T <= max_rows`` tokens whose decoder
-    linears all read 4-bit blocks with AMX tiles, as one C++ call (``DecodeStackTiles``):
-    the layers' norms and packed blocks (6 tensors a layer), the projections' output sizes
-    (4 a layer) and the stack built from them and the KV caches."""
+    linears all read 4-bit blocks with AMX tiles, or all bfloat16 pair tiles
+    (``pair_tiles``), as one C++ call (``DecodeStackTiles``): the layers' norms and packed
+    weights (6 tensors a layer), the projections' output sizes (4 a layer) and the stack
+    built from them and the KV caches."""
 
     layer_tensors: list[torch.Tensor]
     out_features: list[int]
     eps: float
     max_rows: int
+    pair_tiles: bool = False
     stacks: _StackCache = field(default_factory=lambda: _StackCache())
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedDecodeTiles | None:
-        """None unless every decoder linear holds ``gguf_amx`` blocks without a bias, the
-        model computes in bfloat16 and the fused C++ layer ops are on."""
-        layers = _fusable_layers(model, lambda linear: linear.gguf_amx is not None)
-        if layers is None or model.embed_tokens.weight.dtype != torch.bfloat16:
+        """None unless every decoder linear holds pair tiles (or none does and every one
+        ``gguf_amx`` blocks: Linear's own order of choice) without a bias, the model
+        computes in bfloat16 and the fused C++ layer ops are on."""
+        if model.embed_tokens.weight.dtype != torch.bfloat16:
+            return None
+        pair_tiles = True
+        layers = _fusable_layers(model, lambda linear: linear.pairs is not None)
+        if layers is None:
+            layers = _fusable_layers(
+                model, lambda linear: linear.gguf_amx is not None and linear.pairs is None
+            )
+            pair_tiles = False
+        if layers is None:
             return None
         tensors: list[torch.Tensor] = []
         features: list[int] = []
+        max_rows = []
         for layer, linears in layers:
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in linears:
-                assert linear.gguf_amx is not None
-                tensors.append(linear.gguf_amx)
+                weight = linear.pairs if pair_tiles else linear.gguf_amx
+                assert weight is not None
+                tensors.append(weight)
                 features.append(linear.weight.shape[0])
-        max_rows = min(linear.gguf_amx_max_rows for _, linears in layers for linear in linears)
-        return FusedDecodeTiles(tensors, features, layers[0][0].input_layernorm.eps, max_rows)
+                max_rows.append(linear.pair_max_rows if pair_tiles else linear.gguf_amx_max_rows)
+        return FusedDecodeTiles(
+            tensors, features, layers[0][0].input_layernorm.eps, min(max_rows), pair_tiles
+        )
 
     def applies(self, num_tokens: int, metadata: AttentionMetadata, block_max_rows: int) -> bool:
         """More tokens than the block kernel takes (``block_max_rows``, 0 while the model
@@ -189,7 +205,7 @@ class FusedDecodeTiles:
                  k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> torch.ScriptObject:
             return cpu_kernels.decode_stack_tiles(
                 self.layer_tensors, self.out_features, self.eps, k, v, k_scales, v_scales,
-                attn.num_heads, attn.num_kv_heads, attn.scale,
+                attn.num_heads, attn.num_kv_heads, attn.scale, self.pair_tiles,
             )
 
         return self.stacks.run(model, kv_caches, make, x, positions, metadata)

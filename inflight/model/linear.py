@@ -157,11 +157,16 @@ class Linear(nn.Module):
         """Each row's lowest index of its largest float32 output, ``[M] int64``, exactly
         ``forward_float32(x).max(dim=-1).indices``, without materialising the outputs: for
         the output layer under greedy sampling, where the step runs csrc/amx_linear.cpp
-        (``amx_linear_argmax``). -1 for a row holding a NaN or only -inf. None where
-        another kernel would take the step."""
-        if self._own_choice(x) != "amx":
-            return None
-        return cpu_kernels.amx_linear_argmax(x.contiguous(), self.amx, self.weight.shape[0])
+        (``amx_linear_argmax``) or csrc/bf16_linear.cpp (``bf16_linear_argmax``). -1 for a
+        row holding a NaN or only -inf. None where another kernel would take the step."""
+        choice = self._own_choice(x)
+        if choice == "amx":
+            return cpu_kernels.amx_linear_argmax(x.contiguous(), self.amx, self.weight.shape[0])
+        if choice == "pairs" and self.pairs is not None:
+            return cpu_kernels.bf16_linear_argmax(
+                x.contiguous(), self.pairs, self.weight.shape[0]
+            )
+        return None
 
     def use_int8(self, smooth: torch.Tensor | None = None) -> None:
         """Quantise the weight to int8 per output channel (``quantization="w8a8"``, see

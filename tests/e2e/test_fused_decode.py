@@ -55,12 +55,13 @@ def test_tiles_decode_stack_is_bit_identical(
     monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
 ) -> None:
     """bfloat16 decode steps past the block kernel's rows (here 12 sequences) whose linears
-    read 4-bit blocks on AMX tiles: one C++ call (DecodeStackTiles) against the modules."""
+    read 4-bit blocks on AMX tiles (or, with AVX512-BF16 and no AMX, bfloat16 pair tiles):
+    one C++ call (DecodeStackTiles) against the modules."""
     from helpers.prompts import PROMPTS as ALL
     from inflight.model.fused_decode import FusedDecodeTiles
 
-    if not cpu_kernels.gguf_amx_linear_available():
-        pytest.skip("the 4-bit AMX linear needs AMX tiles")
+    if not (cpu_kernels.gguf_amx_linear_available() or cpu_kernels.bf16_linear_available()):
+        pytest.skip("neither the 4-bit AMX linear nor the bfloat16 pair linear on this CPU")
     llm = LLM(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     model = llm.llm_engine.runner.model
     assert model.fused_decode_tiles is not None, "the default model's linears take the tiles"

@@ -1,6 +1,7 @@
 """Greedy steps take their tokens straight from the output layer's kernel (the argmax fused
-into csrc/amx_linear.cpp, the logits never written): the same tokens as the sampler's
-argmax over the logits, and only where every row is plain greedy sampling."""
+into csrc/amx_linear.cpp, or csrc/bf16_linear.cpp without AMX, the logits never written):
+the same tokens as the sampler's argmax over the logits, and only where every row is plain
+greedy sampling."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    if not cpu_kernels.amx_linear_available():
-        pytest.skip("the fused argmax needs the AMX linear")
+    if not (cpu_kernels.amx_linear_available() or cpu_kernels.bf16_linear_available()):
+        pytest.skip("the fused argmax needs the AMX linear or the bfloat16 pair linear")
     return LLM(dtype="bfloat16")
 
 
@@ -44,7 +45,7 @@ def count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_fused_greedy_tokens_equal_the_sampler_argmax(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prompts = (PROMPTS * 4)[:20]  # steps of 20 rows: bfloat16 activations, the AMX kernel
+    prompts = (PROMPTS * 4)[:20]  # steps of 20 rows: bfloat16 activations, AMX or pair kernel
     fused = count_fused(monkeypatch)
     with_fusion = token_ids(llm, prompts, [GREEDY] * len(prompts))
     assert sum(fused) >= len(prompts) * (GREEDY.max_tokens - 2)

@@ -166,11 +166,3 @@ def test_linear_fuses_the_argmax_only_where_it_runs_the_amx_kernel():
     assert torch.equal(layer.greedy_argmax(x), layer.forward_float32(x).max(dim=-1).indices)
     assert layer.greedy_argmax(torch.randn(33, 576).bfloat16()) is None  # past its rows
     assert layer.greedy_argmax(torch.randn(20, 576)) is None  # float32 activations
-
-
-@pytest.fixture
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)

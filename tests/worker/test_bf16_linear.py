@@ -142,3 +142,67 @@ def test_the_kernel_is_chosen_only_without_amx_and_unless_turned_off(monkeypatch
     monkeypatch.delenv("INFLIGHT_BF16_LINEAR")
     monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     assert device.pair_matmul_rows() == 0  # oneDNN's AMX tiles are far faster
+
+
+# ---------------------------------------------------------------- fused greedy argmax
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 57, 200])
+@pytest.mark.parametrize("n", [64, 4096, 49152])
+def test_fused_argmax_is_the_argmax_of_the_float32_logits(m, n, two_threads):
+    """bf16_linear_argmax: exactly bf16_linear(float32_out) then max(dim=-1).indices, for
+    slice tails (rows not a multiple of 6), both threads' column runs and the output
+    layer's width."""
+    torch.manual_seed(m + n)
+    x = torch.randn(m, 576).bfloat16()
+    packed = cpu.bf16_pack_pairs((torch.randn(n, 576) * 0.05).bfloat16())
+    expected = cpu.bf16_linear(x, packed, n, float32_out=True).max(dim=-1).indices
+    assert torch.equal(cpu.bf16_linear_argmax(x, packed, n), expected)
+
+
+def test_fused_argmax_takes_the_lowest_index_of_a_tie(two_threads):
+    """Weight rows repeated at columns 21 and 5 (the same lane, 16 apart: 5 must stay),
+    40 (another lane of the next tile) and 4090 (the other thread's columns): the tied
+    maximum must come out as 5, as torch.max gives it; with column 5 zeroed, 21; with 21
+    zeroed too, 40."""
+    n, k = 4096, 64
+    torch.manual_seed(1)
+    w = torch.randn(n, k).bfloat16() * 0.01
+    x = torch.randn(24, k).bfloat16()
+    top = x[0].clone()  # a weight row aligned with row 0 wins it everywhere it appears
+    for column in (5, 21, 40, 4090):
+        w[column] = top
+    assert cpu.bf16_linear_argmax(x, cpu.bf16_pack_pairs(w), n)[0] == 5
+    for zeroed, then in ((5, 21), (21, 40), (40, 4090)):
+        w[zeroed] = 0
+        got = cpu.bf16_linear_argmax(x, cpu.bf16_pack_pairs(w), n)
+        assert got[0] == then
+        logits = cpu.bf16_linear(x, cpu.bf16_pack_pairs(w), n, True)
+        assert torch.equal(got, logits.max(dim=-1).indices)
+
+
+def test_fused_argmax_marks_nan_and_minus_infinity_rows(two_threads):
+    """A row whose sums hold a NaN, or are all -inf, comes back -1 (the caller takes it
+    from the logits); the other rows keep their tokens."""
+    torch.manual_seed(2)
+    x = torch.randn(20, 64).bfloat16()
+    x[3, 7] = float("nan")
+    x[8] = 0
+    x[8, 0] = float("-inf")
+    w = torch.randn(128, 64).bfloat16().abs() + 0.01  # row 8: -inf in every column
+    packed = cpu.bf16_pack_pairs(w)
+    got = cpu.bf16_linear_argmax(x, packed, 128)
+    assert got[3] == -1 and got[8] == -1
+    rest = [r for r in range(20) if r not in (3, 8)]
+    logits = cpu.bf16_linear(x, packed, 128, True)
+    assert torch.equal(got[rest], logits[rest].max(dim=-1).indices)
+
+
+def test_linear_fuses_the_argmax_where_it_runs_the_pair_kernel():
+    torch.manual_seed(3)
+    layer = Linear(576, 4096)
+    layer.weight.data = torch.randn(4096, 576).bfloat16()
+    layer.use_pair_weight(max_rows=32)
+    x = torch.randn(20, 576).bfloat16()
+    assert torch.equal(layer.greedy_argmax(x), layer.forward_float32(x).max(dim=-1).indices)
+    assert layer.greedy_argmax(torch.randn(33, 576).bfloat16()) is None  # past its rows
+    assert layer.greedy_argmax(torch.randn(20, 576)) is None  # float32 activations

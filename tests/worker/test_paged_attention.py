@@ -129,18 +129,14 @@ def test_paged_attention_matches_dense(backend, kv_dtype, block_size, seed):
 
 
 @pytest.fixture
-def two_threads():
+def kernel_on_two_threads(two_threads):
     """The C++ kernel on 2 threads (a lone sequence is then split between them)."""
     if not cpu_kernels.available():
         pytest.skip("the C++ kernel could not be built here")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_lone_decode_token_split_over_threads(kv_dtype, two_threads):
+def test_lone_decode_token_split_over_threads(kv_dtype, kernel_on_two_threads):
     """One sequence decoding alone (fewer sequences than threads): the kernel splits the
     token's KV heads between threads; the result must not change."""
     step, q, k_new, v_new, k_cache, v_cache, scales, per_seq = make_step(
@@ -162,7 +158,7 @@ def test_lone_decode_token_split_over_threads(kv_dtype, two_threads):
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_lone_decode_token_is_bit_identical_to_its_row_in_a_batch(kv_dtype, q_dtype, two_threads):
+def test_lone_decode_token_is_bit_identical_to_its_row_in_a_batch(kv_dtype, q_dtype, kernel_on_two_threads):
     """A sequence decoding alone is split over threads by KV head, in a batch each token
     is one work item: its output must be the same bits either way (batch invariance:
     greedy output cannot depend on what else runs in the step)."""
@@ -408,7 +404,7 @@ def test_decode_tokens_match_dense_tightly(heads, kv_heads, head_dim, block_size
      (torch.bfloat16, torch.bfloat16), (torch.int8, torch.float32)],
 )
 def test_decode_heads_by_block_are_bit_identical_to_head_after_head(
-    group, block_size, kv_dtype, q_dtype, two_threads
+    group, block_size, kv_dtype, q_dtype, kernel_on_two_threads
 ):
     """In a batch, a decode token's keys are scored block by block across its KV heads
     (score_heads_by_block, group sizes 1-4; 5 keeps compute_scores); a token decoding alone

@@ -53,6 +53,7 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const std::optional<at::Tensor>&, bool, bool);
 using SiluMulFn = at::Tensor(const at::Tensor&);
 using GgufAmxFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
+using Bf16LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> find(const char* name) {
@@ -170,28 +171,36 @@ struct DecodeStack : StackLayers, torch::CustomClassHolder {
 };
 
 // The same for bfloat16 steps whose decoder linears read 4-bit GGUF blocks with AMX tiles
-// (csrc/gguf_amx_linear.cpp): the weights are gguf_amx_pack's, per_linear holds the
+// (csrc/gguf_amx_linear.cpp; the weights gguf_amx_pack's) or, with pair_tiles, bfloat16
+// pair tiles (csrc/bf16_linear.cpp; the weights bf16_pack_pairs'); per_linear holds the
 // projections' output sizes; bf16_queries: the attention scores the bfloat16 queries
 // with bfloat16 dot products (else with float32 FMAs on their values, as
 // torch_paged._varlen does where bfloat16 dot products do not pay).
 struct DecodeStackTiles : StackLayers, torch::CustomClassHolder {
   bool bf16_queries;
+  bool pair_tiles;
 
   DecodeStackTiles(std::vector<at::Tensor> tensors, std::vector<int64_t> features, double eps_,
                    std::vector<at::Tensor> k, std::vector<at::Tensor> v,
                    std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t heads,
-                   int64_t kv_heads, double scale_, bool int8_dots_, bool bf16_queries_)
+                   int64_t kv_heads, double scale_, bool int8_dots_, bool bf16_queries_,
+                   bool pair_tiles_)
       : StackLayers("DecodeStackTiles", std::move(tensors), std::move(features), eps_,
                     std::move(k), std::move(v), std::move(ks), std::move(vs), heads, kv_heads,
                     scale_, int8_dots_),
-        bf16_queries(bf16_queries_) {}
+        bf16_queries(bf16_queries_),
+        pair_tiles(pair_tiles_) {}
 
   at::Tensor run(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, const at::Tensor& slot_mapping,
                  const at::Tensor& block_tables, const at::Tensor& query_start,
                  const at::Tensor& seq_lens) {
-    static const auto gguf_amx_linear = find<GgufAmxFn>("inflight::gguf_amx_linear");
     auto linear = [&](const at::Tensor& in, size_t layer, int64_t which) {
+      if (pair_tiles) {
+        static const auto bf16_linear = find<Bf16LinearFn>("inflight::bf16_linear");
+        return bf16_linear.call(in, weight(layer, which), linear_arg(layer, which), false);
+      }
+      static const auto gguf_amx_linear = find<GgufAmxFn>("inflight::gguf_amx_linear");
       return gguf_amx_linear.call(in, weight(layer, which), linear_arg(layer, which), false);
     };
     return run_layers(*this, linear, at::kBFloat16, bf16_queries, x, positions, cos, sin,
@@ -212,6 +221,6 @@ TORCH_LIBRARY_FRAGMENT(inflight, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double,
                        std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
-                       double, bool, bool>())
+                       double, bool, bool, bool>())
       .def("run", &DecodeStackTiles::run);
 }
