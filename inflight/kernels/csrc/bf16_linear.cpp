@@ -60,20 +60,24 @@ constexpr int64_t kSliceRows = 6;  // activation rows per pass over a tile
 using inflight_vec::store16;
 
 // Where a slice's sums go: rows [M, ldy] of y (bfloat16 rounded to nearest even, or
-// float32 with non-temporal stores, see the header).
+// float32 with non-temporal stores where y is 64-byte aligned, see the header; ldy and
+// the columns are multiples of 16, so every row's stores are aligned then).
 template <typename out_t>
 struct StoreRows {
   out_t* y;
   int64_t ldy;
+  bool stream = std::is_same_v<out_t, float> && reinterpret_cast<uintptr_t>(y) % 64 == 0;
   void take(int64_t row, int64_t col, __m512 sums) {
     if constexpr (std::is_same_v<out_t, float>) {
-      _mm512_stream_ps(y + row * ldy + col, sums);
-    } else {
-      store16(y + row * ldy + col, sums);
+      if (stream) {
+        _mm512_stream_ps(y + row * ldy + col, sums);
+        return;
+      }
     }
+    store16(y + row * ldy + col, sums);
   }
   void finish() {
-    if constexpr (std::is_same_v<out_t, float>) _mm_sfence();  // the streamed stores
+    if (stream) _mm_sfence();  // order the streamed stores before the caller reads y
   }
 };
 
@@ -252,8 +256,6 @@ at::Tensor bf16_pack_pairs(const at::Tensor& weight_in) {
   return packed;
 }
 
-// float32_out: the float32 sums as they are (the output layer's logits: rounded to
-// bfloat16 they tie often, and greedy argmax then takes the lowest tied id).
 void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous bfloat16 [M, K] tensor");
@@ -264,6 +266,8 @@ void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
               " (from bf16_pack_pairs)");
 }
 
+// float32_out: the float32 sums as they are (the output layer's logits: rounded to
+// bfloat16 they tie often, and greedy argmax then takes the lowest tied id).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        bool float32_out) {
   check_operands(x, packed, N);
