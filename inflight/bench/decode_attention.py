@@ -10,13 +10,19 @@ from DRAM as in a real step; a single repeated layer would sit in L3 and oversta
 kernel. Defaults are SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim
 64) at ``mixed``'s mean batch and context on 2 cores. Prints ms per layer, the K/V bytes
 read per second and that rate's fraction of the machine's measured memory read peak.
+
+With ``--overlap`` it also times the kernel on K/V that stays in cache (a few sequences'
+blocks, one layer called over and over, scaled to the full batch: the arithmetic alone)
+and sets it against the time the bytes alone take at the read peak: a kernel whose
+reads overlap its arithmetic takes the larger of the two, one whose reads and arithmetic
+take turns takes their sum (see :func:`overlap_fraction`).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -139,6 +145,31 @@ def measure(shape: DecodeAttentionShape, order: str = "random", repeats: int = 1
     return DecodeAttentionTiming(shape, elapsed / (repeats * shape.layers) * 1e3)
 
 
+def measure_in_cache(shape: DecodeAttentionShape, order: str = "random", calls: int = 300,
+                     cache_bytes: int = 1 << 20) -> DecodeAttentionTiming:
+    """The kernel's time per layer at ``shape`` with its K/V in cache: the blocks of as
+    many sequences as fit ``cache_bytes`` per thread (at least one per thread), one layer
+    called ``calls`` times, the time scaled by ``shape.seqs`` over those sequences (every
+    sequence is the same work)."""
+    per_seq = shape.kv_bytes_per_layer() // shape.seqs
+    threads = torch.get_num_threads()
+    seqs = max(threads, min(shape.seqs, cache_bytes * threads // max(per_seq, 1)))
+    small = replace(shape, seqs=seqs, layers=1)
+    timing = measure(small, order, repeats=calls)
+    return DecodeAttentionTiming(shape, timing.ms_per_layer * shape.seqs / seqs)
+
+
+def overlap_fraction(measured_ms: float, compute_ms: float, memory_ms: float) -> float:
+    """How much of the shorter of arithmetic (``compute_ms``) and reads (``memory_ms``)
+    hides under the longer one: 1 when ``measured_ms`` is their maximum, 0 when it is
+    their sum (they take turns), clamped to [0, 1]."""
+    shorter = min(compute_ms, memory_ms)
+    if shorter <= 0.0:
+        return 1.0  # nothing to hide
+    hidden = compute_ms + memory_ms - measured_ms
+    return min(1.0, max(0.0, hidden / shorter))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=57)
@@ -148,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", choices=CACHE_DTYPE_CHOICES, default="bfloat16")
     parser.add_argument("--order", choices=["random", "sequential", "engine"], default="random")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--overlap", action="store_true",
+                        help="also time the kernel on K/V in cache and report how much of "
+                             "its reads overlap its arithmetic")
     args = parser.parse_args(argv)
     if not cpu.available():
         parser.error("the C++ kernels are not available on this machine")
@@ -163,6 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{timing.ms_per_layer:.3f} ms per layer, {timing.gbps:.1f} GB/s of K/V, "
         f"{timing.gbps / peak:.2f} of the memory read peak ({peak:.1f} GB/s)"
     )
+    if args.overlap:
+        compute_ms = measure_in_cache(shape, args.order).ms_per_layer
+        memory_ms = shape.kv_bytes_per_layer() / (peak * 1e9) * 1e3
+        print(
+            f"K/V in cache (arithmetic alone): {compute_ms:.3f} ms per layer; the bytes alone "
+            f"at the read peak: {memory_ms:.3f} ms; overlapped "
+            f"{overlap_fraction(timing.ms_per_layer, compute_ms, memory_ms):.2f} "
+            f"(1: the larger of the two, {max(compute_ms, memory_ms):.3f} ms; 0: their sum, "
+            f"{compute_ms + memory_ms:.3f} ms)"
+        )
     return 0
 
 

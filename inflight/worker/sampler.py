@@ -13,7 +13,10 @@ Before either, ``suppressed`` token ids (stop and EOS ids of requests below thei
 any are untouched, so their tokens are exactly what they would be otherwise.
 
 A row whose own sampler state cannot be made (its seeded generator) fails alone: it is
-reported in ``SamplerOutput.failed`` and the other rows' tokens are unaffected.
+reported in ``SamplerOutput.failed`` and the other rows' tokens are unaffected. Random
+rows whose logits overflowed float32 (+inf, NaN: an extreme penalty, bias or temperature)
+are sampled as softmax's limit (:func:`_limit_of_softmax`); one with no token left fails
+alone the same way.
 """
 
 from __future__ import annotations
@@ -74,6 +77,12 @@ class Sampler:
     ) -> torch.Tensor:
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temperature.unsqueeze(1)
+        logits, empty = _limit_of_softmax(logits)
+        for row in empty:  # its (meaningless) token is drawn from zeros: in range
+            failed[request_ids[row]] = (
+                "no token can be sampled: every logit is -inf or NaN after this request's "
+                "sampling parameters (penalties, logit_bias, allowed or bad token ids)"
+            )
         logits = _apply_top_k(logits, [p.top_k for p in params])
         probs = logits.softmax(dim=-1)
         probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
@@ -97,6 +106,26 @@ class Sampler:
             generator.manual_seed(seed % _SEED_MODULUS)
             self._generators[request_id] = generator
         return generator
+
+
+def _limit_of_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Rows with non-finite logits ``[N, V]`` made samplable, as softmax's limit: NaN counts
+    as -inf, and where a row has +inf logits (an extreme penalty or temperature overflows
+    float32) those tokens share its mass equally and the rest get none. Without this, the
+    row's probabilities are NaN and the inverse transform returns index V, past the
+    vocabulary. Returns the logits and the rows left with no token at all (every logit -inf
+    or NaN), which are set to zeros so that a token can still be drawn in range; finite
+    rows are returned untouched (one check for the whole batch)."""
+    if bool(torch.isfinite(logits).all()):
+        return logits, []
+    neg_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
+    logits = torch.where(torch.isnan(logits), neg_inf, logits)
+    positive = logits == float("inf")
+    rows = positive.any(dim=1, keepdim=True)
+    logits = torch.where(rows, torch.where(positive, torch.zeros_like(logits), neg_inf), logits)
+    empty = (logits == float("-inf")).all(dim=1)
+    logits = torch.where(empty.unsqueeze(1), torch.zeros_like(logits), logits)
+    return logits, empty.nonzero().flatten().tolist()
 
 
 def inverse_transform_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

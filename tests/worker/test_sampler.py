@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -161,3 +163,46 @@ def test_a_row_whose_generator_cannot_be_made_fails_alone(monkeypatch):
     assert set(out.failed) == {"bad"} and "injected" in out.failed["bad"]
     alone = Sampler(torch.device("cpu")).sample(LOGITS, ["good"], [seeded])
     assert out.token_ids[0] == alone.token_ids[0] and out.token_ids[2] == 5
+
+
+def test_non_finite_logits_sample_in_range_as_softmax_s_limit():
+    """An extreme penalty or temperature can overflow float32 (a repetition_penalty of
+    5e-324 is 0.0 as float32: a positive logit / 0 is +inf, 0 / 0 NaN). Such rows must
+    still give in-range tokens: +inf tokens share the mass equally, NaN counts as -inf, a
+    row with nothing left fails alone; finite rows are untouched."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([
+        [1.0, inf, 0.0, inf, nan, -inf],     # +inf at 1 and 3: one of them, evenly
+        [nan, 2.0, nan, -inf, 2.0, -inf],    # NaN as -inf: 1 or 4, evenly
+        [nan, -inf, nan, -inf, -inf, -inf],  # nothing samplable: fails alone
+    ])
+    draws = 2000
+    sampler = Sampler(torch.device("cpu"))
+    params = SamplingParams(temperature=1.0)
+    rows = torch.cat([logits, LOGITS]).repeat(draws, 1)
+    ids = [f"r{i}" for i in range(len(rows))]
+    out = sampler.sample(rows, ids, [params] * len(rows))
+    tokens = torch.tensor(out.token_ids).view(draws, 4)
+    assert int(tokens.max()) < 6 and int(tokens.min()) >= 0
+    for row, allowed in ((0, {1, 3}), (1, {1, 4})):
+        counts = torch.bincount(tokens[:, row], minlength=6)
+        assert set(counts.nonzero().flatten().tolist()) == allowed
+        assert abs(int(counts[min(allowed)]) - draws / 2) < draws * 0.06
+    assert set(out.failed) == {f"r{4 * i + 2}" for i in range(draws)}
+    assert "-inf or NaN" in out.failed["r2"]
+    finite = torch.bincount(tokens[:, 3], minlength=6).float() / draws
+    assert torch.allclose(finite, LOGITS[0].softmax(-1), atol=0.04)
+
+
+def test_a_vanishing_repetition_penalty_does_not_stop_the_engine(tiny_llama_dir):
+    """The fuzzed request that crashed a step (index past the vocabulary): prompt [0],
+    repetition_penalty 5e-324, random sampling; it completes, and so does its neighbour."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=64)
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    outs = llm.generate(
+        [{"prompt_token_ids": [0]}, {"prompt_token_ids": [5, 6, 7]}],
+        [SamplingParams(repetition_penalty=5e-324, max_tokens=20, ignore_eos=True, seed=1),
+         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)],
+    )
+    assert len(outs[0].outputs[0].token_ids) == 20 and len(outs[1].outputs[0].token_ids) == 8
+    assert max(outs[0].outputs[0].token_ids) < vocab
