@@ -29,6 +29,11 @@ class InvalidRequestError(ValueError):
         self.parameter = parameter
 
 
+# How a request whose parameters leave no token samplable fails (the sampler's message
+# starts with it; the server answers it with a 400, the client's parameters being the cause).
+NO_TOKEN_LEFT = "no token can be sampled"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request's continuation.
@@ -362,8 +367,10 @@ def _check_number(
     if value != value:  # NaN
         _fail(name, f"{name} must not be NaN")
     # Huge ints overflow float arithmetic in the sampler; infinities make NaN there.
-    if abs(value) > 1e30 or not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         _fail(name, f"{name} must be a finite number, got {value}")
+    if abs(value) > 1e30:
+        _fail(name, f"{name} must be at most 1e30 in magnitude, got {value}")
     if low is not None and value < low:
         _fail(name, f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:

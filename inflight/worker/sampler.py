@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inflight.kernels import cpu as cpu_kernels
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import NO_TOKEN_LEFT, SamplingParams
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; reducing modulo 2**64 gives the
 # very same stream for every seed in that range and can never overflow.
@@ -59,6 +59,7 @@ class Sampler:
             logits = _suppress(logits, suppressed)
         tokens = _greedy_tokens(logits)
         failed: dict[str, str] = {}
+        _check_greedy_rows(logits, tokens, request_ids, params, failed)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -79,10 +80,7 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)
         logits, empty = _limit_of_softmax(logits)
         for row in empty:  # its (meaningless) token is drawn from zeros: in range
-            failed[request_ids[row]] = (
-                "no token can be sampled: every logit is -inf or NaN after this request's "
-                "sampling parameters (penalties, logit_bias, allowed or bad token ids)"
-            )
+            failed[request_ids[row]] = _NO_TOKEN_MESSAGE
         logits = _apply_top_k(logits, [p.top_k for p in params])
         probs = logits.softmax(dim=-1)
         probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
@@ -106,6 +104,26 @@ class Sampler:
             generator.manual_seed(seed % _SEED_MODULUS)
             self._generators[request_id] = generator
         return generator
+
+
+_NO_TOKEN_MESSAGE = (
+    f"{NO_TOKEN_LEFT}: every logit is -inf or NaN after this request's sampling parameters "
+    "(allowed_token_ids, bad_words, min_tokens' suppressed stop and EOS ids, penalties, "
+    "logit_bias)"
+)
+
+
+def _check_greedy_rows(
+    logits: torch.Tensor, tokens: torch.Tensor, request_ids: list[str],
+    params: list[SamplingParams], failed: dict[str, str],
+) -> None:
+    """Greedy rows whose every logit is -inf (nothing allowed is left) fail alone instead
+    of emitting id 0. One gather for the batch. (A NaN row keeps PyTorch's argmax, the
+    NaN's index, as transformers would take it.)"""
+    picked = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    for row in (picked == float("-inf")).nonzero().flatten().tolist():
+        if params[row].is_greedy:  # random rows: _limit_of_softmax
+            failed[request_ids[row]] = _NO_TOKEN_MESSAGE
 
 
 def _limit_of_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

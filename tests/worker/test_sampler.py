@@ -206,3 +206,44 @@ def test_a_vanishing_repetition_penalty_does_not_stop_the_engine(tiny_llama_dir)
     )
     assert len(outs[0].outputs[0].token_ids) == 20 and len(outs[1].outputs[0].token_ids) == 8
     assert max(outs[0].outputs[0].token_ids) < vocab
+
+
+def test_greedy_rows_with_every_logit_minus_inf_fail_alone():
+    """A greedy row with nothing left (every logit -inf) fails alone (it used to emit id
+    0); a +inf row takes its first +inf, other rows their argmax."""
+    inf = float("inf")
+    logits = torch.tensor([[0.5, inf, 2.0, inf], [-inf, -inf, -inf, -inf], [1.0, 3.0, 0.0, 2.0]])
+    greedy = SamplingParams(temperature=0.0)
+    out = Sampler(torch.device("cpu")).sample(logits, ["inf", "empty", "plain"], [greedy] * 3)
+    assert out.token_ids[0] == 1 and out.token_ids[2] == 1
+    assert set(out.failed) == {"empty"}
+    from inflight.sampling_params import NO_TOKEN_LEFT
+
+    assert out.failed["empty"].startswith(NO_TOKEN_LEFT)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_with_no_token_left_fails_alone(tiny_llama_dir, temperature):
+    """allowed_token_ids whose only id is a bad word: nothing can be sampled, greedy or
+    random; that request ends with finish_reason "error" and its neighbour is unchanged."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=64)
+    normal = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": [5, 6, 7]}], normal)[0].outputs[0].token_ids
+    word = llm.get_tokenizer().decode([40])
+    blocked = SamplingParams(temperature=temperature, max_tokens=6, allowed_token_ids=[40],
+                             bad_words=[word], seed=0)
+    outs = llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [5, 6, 7]}],
+                        [blocked, normal])
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].outputs[0].token_ids == alone
+
+
+def test_the_server_answers_no_token_left_with_a_400():
+    from inflight.engine.request_stream import RequestFailedError
+    from inflight.entrypoints.openai.serving import engine_failure
+    from inflight.sampling_params import NO_TOKEN_LEFT
+
+    client = engine_failure(RequestFailedError(f"the request failed: {NO_TOKEN_LEFT}: ..."))
+    assert client.status == 400 and client.type == "invalid_request_error"
+    ours = engine_failure(RequestFailedError("the request failed: could not prepare the sampler"))
+    assert ours.status == 500

@@ -38,6 +38,7 @@ from inflight.engine.request_stream import (
     EngineShutdownError,
     EngineUnavailableError,
     RequestDelta,
+    RequestFailedError,
     RequestStream,
     StreamDroppedError,
 )
@@ -45,13 +46,14 @@ from inflight.entrypoints.openai.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
     OpenAIError,
+    bad_request,
     from_engine_error,
     from_validation_error,
     overloaded,
     request_timeout,
 )
 from inflight.outputs import PromptLogprobs, SampleLogprobs
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import NO_TOKEN_LEFT, SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -125,11 +127,14 @@ def json_response(body: BaseModel) -> Response:
 
 
 def engine_failure(error: Exception) -> OpenAIError:
-    """An engine-side failure while a request was running is a 500, ours not the client's;
+    """An engine-side failure while a request was running is a 500, ours not the client's
+    (except a request whose own parameters left no token to sample: a 400);
     a request that passed its deadline is a 504; a dead data-parallel replica is a 503
     (the service is still up: retry)."""
     if isinstance(error, RequestTimeoutError):
         return request_timeout(f"The request timed out: {error}")
+    if isinstance(error, RequestFailedError) and NO_TOKEN_LEFT in str(error):
+        return bad_request(f"The request's sampling parameters leave nothing to sample: {error}")
     status = 503 if isinstance(error, EngineUnavailableError) else 500
     return OpenAIError(status, f"The engine failed while serving this request: {error}", SERVER_ERROR)
 
