@@ -14,7 +14,7 @@ any are untouched, so their tokens are exactly what they would be otherwise.
 
 A row whose own sampler state cannot be made (its seeded generator) fails alone: it is
 reported in ``SamplerOutput.failed`` and the other rows' tokens are unaffected. Random
-rows whose logits overflowed float32 (+inf, NaN: an extreme penalty, bias or temperature)
+rows whose logits are not finite (+inf, NaN: an extreme repetition_penalty, a broken model)
 are sampled as softmax's limit (:func:`_limit_of_softmax`); one with no token left fails
 alone the same way.
 """
@@ -128,8 +128,8 @@ def _check_greedy_rows(
 
 def _limit_of_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """Rows with non-finite logits ``[N, V]`` made samplable, as softmax's limit: NaN counts
-    as -inf, and where a row has +inf logits (an extreme penalty or temperature overflows
-    float32) those tokens share its mass equally and the rest get none. Without this, the
+    as -inf, and where a row has +inf logits (a repetition_penalty below float32's range
+    divides by 0.0) those tokens share its mass equally and the rest get none. Without this, the
     row's probabilities are NaN and the inverse transform returns index V, past the
     vocabulary. Returns the logits and the rows left with no token at all (every logit -inf
     or NaN), which are set to zeros so that a token can still be drawn in range; finite

@@ -166,7 +166,7 @@ def test_a_row_whose_generator_cannot_be_made_fails_alone(monkeypatch):
 
 
 def test_non_finite_logits_sample_in_range_as_softmax_s_limit():
-    """An extreme penalty or temperature can overflow float32 (a repetition_penalty of
+    """An extreme repetition penalty can overflow float32 (a repetition_penalty of
     5e-324 is 0.0 as float32: a positive logit / 0 is +inf, 0 / 0 NaN). Such rows must
     still give in-range tokens: +inf tokens share the mass equally, NaN counts as -inf, a
     row with nothing left fails alone; finite rows are untouched."""
