@@ -170,13 +170,15 @@ inline void score_blocks_bf16(const at::BFloat16* queries, int64_t D,
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 // score_blocks for an int8 cache with int8 dot products (vpdpbusd: four u8 x s8 products
 // summed into each int32 lane), instead of widening every key to float32. The queries come
-// quantised per row (quantize_query: q = step * (u - 128), u a byte, four dimensions to a
-// 32-bit word). One 64-byte load holds key rows 4g .. 4g + 3 of a tile (the cache's [D][16]
-// layout) and one byte permute (vpermb) makes each 32-bit lane one key's four dimensions;
-// the +128 offset is taken back with each key's dimension sum (the same instruction against
-// bytes of 1): q . k = step * (u . k - 128 sum k). The integer sums are exact (|u . k| <=
-// 255 * 127 * D), so the only change from the float32 path is the queries' rounding to int8
-// steps (at most half a step each, step = max|q| / 127), of the size of the keys' own.
+// quantised per row (quantize_query: q = step * s, s a signed byte, four dimensions to a
+// 32-bit word, and the row's sum of s). One 64-byte load holds key rows 4g .. 4g + 3 of a
+// tile (the cache's [D][16] layout) and one byte permute (vpermb) makes each 32-bit lane one
+// key's four dimensions; flipping each key byte's top bit makes it the unsigned k + 128, and
+// the offset comes back out once per row: q . k = step * ((k + 128) . s - 128 sum s). (An
+// earlier version biased the queries instead, which needed each key's dimension sum: one
+// more vpdpbusd per four dimensions of a tile.) The integer sums are exact (|(k + 128) . s|
+// <= 255 * 127 * D), so the only change from the float32 path is the queries' rounding to
+// int8 steps (at most half a step each, step = max|q| / 127), of the size of the keys' own.
 inline __m512i load_key_quad(const int8_t* row, int64_t key_stride) {
   if (key_stride == 16) return _mm512_loadu_si512(row);
   __m512i rows = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
@@ -188,34 +190,34 @@ inline __m512i load_key_quad(const int8_t* row, int64_t key_stride) {
 }
 
 template <int NR, int NB>
-inline void score_blocks_int8(const uint32_t* words, const float* steps, int64_t D,
-                              const int8_t* const* kb, float* scores, int64_t row_stride,
-                              int64_t key_stride) {
+inline void score_blocks_int8(const uint32_t* words, const float* steps, const int32_t* sums,
+                              int64_t D, const int8_t* const* kb, float* scores,
+                              int64_t row_stride, int64_t key_stride) {
   static const __m512i by_key = [] {  // byte 4 i + j <- row j, key i
     alignas(64) int8_t lanes[64];
     for (int p = 0; p < 64; ++p) lanes[p] = static_cast<int8_t>((p % 4) * 16 + p / 4);
     return _mm512_load_si512(lanes);
   }();
-  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i top_bits = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t groups = D / 4;
-  __m512i acc[NR * NB], key_sums[NB];
+  __m512i acc[NR * NB];
   for (int i = 0; i < NR * NB; ++i) acc[i] = _mm512_setzero_si512();
-  for (int b = 0; b < NB; ++b) key_sums[b] = _mm512_setzero_si512();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i kd[NB];
-    for (int b = 0; b < NB; ++b) {
-      kd[b] = _mm512_permutexvar_epi8(by_key, load_key_quad(kb[b] + 4 * g * key_stride, key_stride));
-      key_sums[b] = _mm512_dpbusd_epi32(key_sums[b], ones, kd[b]);
-    }
+    for (int b = 0; b < NB; ++b)
+      kd[b] = _mm512_xor_si512(
+          _mm512_permutexvar_epi8(by_key, load_key_quad(kb[b] + 4 * g * key_stride, key_stride)),
+          top_bits);
     for (int j = 0; j < NR; ++j) {
       const __m512i qd = _mm512_set1_epi32(static_cast<int>(words[j * groups + g]));
-      for (int b = 0; b < NB; ++b) acc[j * NB + b] = _mm512_dpbusd_epi32(acc[j * NB + b], qd, kd[b]);
+      for (int b = 0; b < NB; ++b) acc[j * NB + b] = _mm512_dpbusd_epi32(acc[j * NB + b], kd[b], qd);
     }
   }
   for (int j = 0; j < NR; ++j) {
     const __m512 step = _mm512_set1_ps(steps[j]);
+    const __m512i offset = _mm512_set1_epi32(128 * sums[j]);
     for (int b = 0; b < NB; ++b) {
-      const __m512i dot = _mm512_sub_epi32(acc[j * NB + b], _mm512_slli_epi32(key_sums[b], 7));
+      const __m512i dot = _mm512_sub_epi32(acc[j * NB + b], offset);
       _mm512_storeu_ps(scores + j * row_stride + b * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), step));
     }
   }
@@ -464,6 +466,7 @@ struct Item {
   // biased bytes, see score_blocks_int8) and each row's step; else null
   const uint32_t* query_words;
   const float* query_steps;
+  const int32_t* query_sums;
   float scale;
   float* scores;         // [rows, padded_keys]
   float* out;            // [rows, D]
@@ -574,6 +577,7 @@ struct Item {
     if constexpr (std::is_same_v<kv_t, int8_t>) {
       if (query_words != nullptr) {
         score_blocks_int8<NR, NB>(query_words + row * (shape.head_dim / 4), query_steps + row,
+                                  query_sums + row,
                                   shape.head_dim, kb, out, padded_keys, shape.block_size);
         return;
       }
@@ -776,16 +780,16 @@ inline void store_row(const float* src, int64_t D, T* dst) {
   }
 }
 
-// One query row [D] (float32, already scaled) as int8 steps for score_blocks_int8: bytes
-// u = round(q / step) + 128 (round half to even; 1..255), four dimensions to a
-// little-endian word, step = max|q| / 127 (1 for an all-zero row). Returns the step: NaN
+// One query row [D] (float32, already scaled) as int8 steps for score_blocks_int8: signed
+// bytes s = round(q / step) (round half to even; -127..127), four dimensions to a
+// little-endian word, step = max|q| / 127 (1 for an all-zero row), and *sum = sum of s. Returns the step: NaN
 // for a row with a NaN, so its scores are NaN as on the float32 path (the rounding would
 // clamp a NaN to a finite byte).
 inline float query_step(float top, bool nan) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : top > 0.f ? top / 127.f : 1.f;
 }
 
-inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
+inline float quantize_query(const float* q, int64_t D, uint32_t* words, int32_t* sum) {
   float top = 0.f;
 #if defined(__AVX512F__)
   if (D % 16 == 0) {  // 16 lanes at a time, the same arithmetic (a scalar loop was ~7% of a
@@ -799,15 +803,19 @@ inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
     }
     top = _mm512_reduce_max_ps(m);
     const float step = query_step(top, nan != 0);
-    const __m512 steps = _mm512_set1_ps(step), bias = _mm512_set1_ps(128.f);
-    const __m512 low = _mm512_set1_ps(1.f), high = _mm512_set1_ps(255.f);
-    auto* bytes = reinterpret_cast<uint8_t*>(words);
+    const __m512 steps = _mm512_set1_ps(step);
+    const __m512 low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
+    auto* bytes = reinterpret_cast<int8_t*>(words);
+    __m512i total = _mm512_setzero_si512();
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 x = _mm512_div_ps(_mm512_loadu_ps(q + d), steps);
-      __m512 u = _mm512_add_ps(_mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), bias);
+      __m512 u = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       u = _mm512_min_ps(_mm512_max_ps(u, low), high);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(u)));
+      const __m512i v = _mm512_cvtps_epi32(u);
+      total = _mm512_add_epi32(total, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + d), _mm512_cvtepi32_epi8(v));
     }
+    *sum = _mm512_reduce_add_epi32(total);
     return step;
   }
 #endif
@@ -817,14 +825,17 @@ inline float quantize_query(const float* q, int64_t D, uint32_t* words) {
     nan = nan || std::isnan(q[d]);
   }
   const float step = query_step(top, nan);
+  int32_t total = 0;
   for (int64_t g = 0; g < D / 4; ++g) {
     uint32_t word = 0;
     for (int64_t j = 0; j < 4; ++j) {
-      const float u = std::nearbyint(q[4 * g + j] / step) + 128.f;
-      word |= static_cast<uint32_t>(std::clamp(u, 1.f, 255.f)) << (8 * j);
+      const int32_t u = static_cast<int32_t>(std::clamp(std::nearbyint(q[4 * g + j] / step), -127.f, 127.f));
+      total += u;
+      word |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(u))) << (8 * j);
     }
     words[g] = word;
   }
+  *sum = total;
   return step;
 }
 
@@ -939,6 +950,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<float> queries, scores, result, key_scales, value_scales, query_steps;
     std::vector<at::BFloat16> queries16;
     std::vector<uint32_t> query_words;
+    std::vector<int32_t> query_sums;
   };
   // The blocks of a work item to fetch during the one before it (see kNextItemLines): a
   // decode token's (all its KV heads) first kNextItemBlocks, keys, values and scales.
@@ -1003,9 +1015,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         if (int8_dots) {
           buf.query_words.resize(rows * (D / 4));
           buf.query_steps.resize(rows);
+          buf.query_sums.resize(rows);
           for (int64_t r = 0; r < rows; ++r)
             buf.query_steps[r] = quantize_query(buf.queries.data() + r * D, D,
-                                                buf.query_words.data() + r * (D / 4));
+                                                buf.query_words.data() + r * (D / 4),
+                                                buf.query_sums.data() + r);
         }
         if (int8) {
           buf.key_scales.resize(padded);
@@ -1016,7 +1030,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             num_keys, padded, buf.queries.data(),
             bf16_dots ? reinterpret_cast<const at::BFloat16*>(buf.queries16.data()) : nullptr,
             int8_dots ? buf.query_words.data() : nullptr,
-            int8_dots ? buf.query_steps.data() : nullptr, static_cast<float>(scale),
+            int8_dots ? buf.query_steps.data() : nullptr,
+            int8_dots ? buf.query_sums.data() : nullptr, static_cast<float>(scale),
             buf.scores.data(), buf.result.data(), k_scale_ptr, v_scale_ptr,
             int8 ? buf.key_scales.data() : nullptr, int8 ? buf.value_scales.data() : nullptr});
       }
