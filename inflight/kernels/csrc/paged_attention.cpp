@@ -647,20 +647,30 @@ struct Item {
   // is scaled by its value's scale after, so the V pass can use the int8 rows as they are.
   void softmax_row(int64_t r, int64_t visible) {
     float* row = scores + r * padded_keys;
-    if (key_scales != nullptr)
-      for (int64_t t = 0; t < visible; ++t) row[t] *= key_scales[t];
     for (int64_t t = visible; t < padded_keys; ++t) row[t] = kNegInf;
     float max_score = kNegInf;
     int64_t t = 0;
 #if defined(__AVX512F__)
     // 16 running maxima: the same value as a scalar scan (max is exact in any order),
     // which is one dependent vmaxss per key: 15% of this function's perf samples in a
-    // decode step with K/V in L3 (Zen 5).
+    // decode step with K/V in L3 (Zen 5). An int8 cache's key scales are applied in the
+    // same pass.
     __m512 running = _mm512_set1_ps(kNegInf);
-    for (; t + 16 <= visible; t += 16) running = _mm512_max_ps(running, _mm512_loadu_ps(row + t));
+    if (key_scales != nullptr) {
+      for (; t + 16 <= visible; t += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + t), _mm512_loadu_ps(key_scales + t));
+        _mm512_storeu_ps(row + t, x);
+        running = _mm512_max_ps(running, x);
+      }
+    } else {
+      for (; t + 16 <= visible; t += 16) running = _mm512_max_ps(running, _mm512_loadu_ps(row + t));
+    }
     max_score = _mm512_reduce_max_ps(running);
 #endif
-    for (; t < visible; ++t) max_score = std::max(max_score, row[t]);
+    for (; t < visible; ++t) {
+      if (key_scales != nullptr) row[t] *= key_scales[t];
+      max_score = std::max(max_score, row[t]);
+    }
     float total = 0.f;
     t = 0;
 #if defined(__AVX512F__)
@@ -678,10 +688,22 @@ struct Item {
       total += row[t];
     }
     const float inv = 1.f / total;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 invs = _mm512_set1_ps(inv);
     if (value_scales != nullptr) {
-      for (int64_t i = 0; i < visible; ++i) row[i] *= inv * value_scales[i];
+      for (; i + 16 <= visible; i += 16)
+        _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i),
+                                                _mm512_mul_ps(invs, _mm512_loadu_ps(value_scales + i))));
     } else {
-      for (int64_t i = 0; i < visible; ++i) row[i] *= inv;
+      for (; i + 16 <= visible; i += 16)
+        _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), invs));
+    }
+#endif
+    if (value_scales != nullptr) {
+      for (; i < visible; ++i) row[i] *= inv * value_scales[i];
+    } else {
+      for (; i < visible; ++i) row[i] *= inv;
     }
   }
 
