@@ -368,7 +368,7 @@ inline void weigh_values_bf16(const float* probs, int64_t prob_stride, int64_t n
 template <int NR, typename BlockFn>
 inline void weigh_values_int16(const float* probs, int64_t prob_stride, int64_t num_keys,
                                int64_t block_size, BlockFn block_rows, int64_t row_stride,
-                               float* out) {
+                               float* out, const float* row_largest) {
   constexpr int D = 64;
   thread_local std::vector<uint32_t> pairs;  // row j: (u[2i], u[2i+1]) as one word
   const int64_t half = (num_keys + 1) / 2;
@@ -376,19 +376,26 @@ inline void weigh_values_int16(const float* probs, int64_t prob_stride, int64_t 
   float step[NR];
   for (int j = 0; j < NR; ++j) {
     const float* p = probs + j * prob_stride;
-    __m512 top = _mm512_setzero_ps();
-    __mmask16 nan = 0;
+    float largest = 0.f;
+    bool any_nan = false;
     int64_t t = 0;
-    for (; t + 16 <= num_keys; t += 16) {
-      const __m512 x = _mm512_loadu_ps(p + t);
-      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-      top = _mm512_max_ps(top, x);
-    }
-    float largest = _mm512_reduce_max_ps(top);
-    bool any_nan = nan != 0;
-    for (; t < num_keys; ++t) {
-      any_nan |= std::isnan(p[t]);
-      largest = std::max(largest, p[t]);
+    if (row_largest != nullptr) {  // the softmax's own (NaN for a row with a NaN)
+      any_nan = std::isnan(row_largest[j]);
+      largest = any_nan ? 0.f : row_largest[j];
+    } else {
+      __m512 top = _mm512_setzero_ps();
+      __mmask16 nan = 0;
+      for (; t + 16 <= num_keys; t += 16) {
+        const __m512 x = _mm512_loadu_ps(p + t);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, x);
+      }
+      largest = _mm512_reduce_max_ps(top);
+      any_nan = nan != 0;
+      for (; t < num_keys; ++t) {
+        any_nan |= std::isnan(p[t]);
+        largest = std::max(largest, p[t]);
+      }
     }
     step[j] = any_nan ? std::numeric_limits<float>::quiet_NaN() : largest / 32767.f;
     const float inv = largest > 0.f && !any_nan ? 32767.f / largest : 0.f;
@@ -477,6 +484,9 @@ struct Item {
   float* key_scales;
   float* value_scales;
   NextItemFetch* next_fetch = nullptr;
+  // int8 caches: each row's largest probability (times its value's scale; NaN for a row
+  // holding a NaN), found by softmax_row for weigh_values_int16; else null
+  float* row_largest = nullptr;
 
   int64_t scale_offset(int64_t b) const {
     return (static_cast<int64_t>(table[b]) * shape.num_kv_heads + kv_head) * shape.block_size;
@@ -688,20 +698,33 @@ struct Item {
       total += row[t];
     }
     const float inv = 1.f / total;
+    float largest = 0.f;  // of the row's values, NaN if any is: for weigh_values_int16
     int64_t i = 0;
 #if defined(__AVX512F__)
     const __m512 invs = _mm512_set1_ps(inv);
     if (value_scales != nullptr) {
-      for (; i + 16 <= visible; i += 16)
-        _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i),
-                                                _mm512_mul_ps(invs, _mm512_loadu_ps(value_scales + i))));
+      __m512 top = _mm512_setzero_ps();
+      __mmask16 nan = 0;
+      for (; i + 16 <= visible; i += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + i),
+                                       _mm512_mul_ps(invs, _mm512_loadu_ps(value_scales + i)));
+        _mm512_storeu_ps(row + i, x);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, x);
+      }
+      largest = nan != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(top);
     } else {
       for (; i + 16 <= visible; i += 16)
         _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), invs));
     }
 #endif
     if (value_scales != nullptr) {
-      for (; i < visible; ++i) row[i] *= inv * value_scales[i];
+      for (; i < visible; ++i) {
+        row[i] *= inv * value_scales[i];
+        largest = std::isnan(row[i]) || std::isnan(largest) ? std::numeric_limits<float>::quiet_NaN()
+                                                          : std::max(largest, row[i]);
+      }
+      if (row_largest != nullptr) row_largest[r] = largest;
     } else {
       for (; i < visible; ++i) row[i] *= inv;
     }
@@ -726,7 +749,9 @@ struct Item {
 #if defined(__AVX512VNNI__)
     if constexpr (std::is_same_v<kv_t, int8_t> && CH == 4) {
       if (query_words != nullptr && D == 64) {  // int8_dots (see weigh_values_int16)
-        weigh_values_int16<NR>(p, padded_keys, num_keys, bs, block_rows, row_stride, o);
+        weigh_values_int16<NR>(p, padded_keys, num_keys, bs, block_rows, row_stride, o,
+                               row_largest != nullptr ? row_largest + (p - scores) / padded_keys
+                                                      : nullptr);
         return;
       }
     }
@@ -969,7 +994,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #endif
   // A worker's buffers, one set for each KV head of an item.
   struct Buffers {
-    std::vector<float> queries, scores, result, key_scales, value_scales, query_steps;
+    std::vector<float> queries, scores, result, key_scales, value_scales, query_steps, largest;
     std::vector<at::BFloat16> queries16;
     std::vector<uint32_t> query_words;
     std::vector<int32_t> query_sums;
@@ -1046,6 +1071,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         if (int8) {
           buf.key_scales.resize(padded);
           buf.value_scales.resize(padded);
+          buf.largest.resize(rows);
         }
         heads.push_back(Item<kv_t>{
             shape, k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(), table, kv_head, rows,
@@ -1056,6 +1082,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             int8_dots ? buf.query_sums.data() : nullptr, static_cast<float>(scale),
             buf.scores.data(), buf.result.data(), k_scale_ptr, v_scale_ptr,
             int8 ? buf.key_scales.data() : nullptr, int8 ? buf.value_scales.data() : nullptr});
+        if (int8) heads.back().row_largest = buf.largest.data();
       }
       for (auto& head : heads) head.next_fetch = &fetch;
       bool scored = false;
