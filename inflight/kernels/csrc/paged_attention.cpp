@@ -829,9 +829,9 @@ inline void store_row(const float* src, int64_t D, T* dst) {
 
 // One query row [D] (float32, already scaled) as int8 steps for score_blocks_int8: signed
 // bytes s = round(q / step) (round half to even; -127..127), four dimensions to a
-// little-endian word, step = max|q| / 127 (1 for an all-zero row), and *sum = sum of s. Returns the step: NaN
-// for a row with a NaN, so its scores are NaN as on the float32 path (the rounding would
-// clamp a NaN to a finite byte).
+// little-endian word, step = max|q| / 127 (1 for an all-zero row), and *sum = the sum of
+// s. Returns the step: NaN for a row with a NaN, so its scores are NaN as on the float32
+// path (the rounding would clamp a NaN to a finite byte).
 inline float query_step(float top, bool nan) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : top > 0.f ? top / 127.f : 1.f;
 }
@@ -876,7 +876,8 @@ inline float quantize_query(const float* q, int64_t D, uint32_t* words, int32_t*
   for (int64_t g = 0; g < D / 4; ++g) {
     uint32_t word = 0;
     for (int64_t j = 0; j < 4; ++j) {
-      const int32_t u = static_cast<int32_t>(std::clamp(std::nearbyint(q[4 * g + j] / step), -127.f, 127.f));
+      const float x = std::nearbyint(q[4 * g + j] / step);  // NaN: the step is NaN anyway
+      const int32_t u = std::isnan(x) ? 0 : static_cast<int32_t>(std::clamp(x, -127.f, 127.f));
       total += u;
       word |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(u))) << (8 * j);
     }
