@@ -11,6 +11,7 @@ off AMX tiles on CPUs that have them (its AVX512-BF16 path instead).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -41,25 +42,45 @@ def _build_name() -> str:
     return f"inflight_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
+def clear_stale_build_lock(build_dir: str) -> bool:
+    """Remove torch's build lock file from ``build_dir`` if it is there; True if it was.
+    Call only while holding :func:`available`'s own lock: every build of these kernels
+    holds that lock (the OS releases it when its process dies), so a torch lock file seen
+    under it was left by a build that was killed, and torch would wait for it forever."""
+    stale = os.path.join(build_dir, "lock")
+    if not os.path.exists(stale):
+        return False
+    os.remove(stale)
+    logger.warning("removed %s, left by a kernel build that did not finish", stale)
+    return True
+
+
 @cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False if that is impossible."""
     if os.environ.get("INFLIGHT_ATTENTION_BACKEND", "auto") == "torch":
         return False
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        load(
-            name=_build_name(),
-            sources=_SOURCES,
-            # No FMA contraction: scalar code rounds like PyTorch's separate mul and add.
-            extra_cflags=[
-                "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
-            ],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        name = _build_name()
+        build_dir = _get_build_directory(name, verbose=False)
+        # One build at a time through an OS lock (freed if its holder dies), so that a
+        # killed build's lock file cannot hang the next start (see clear_stale_build_lock).
+        with open(build_dir.rstrip(os.sep) + ".inflight-lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            clear_stale_build_lock(build_dir)
+            load(
+                name=name,
+                sources=_SOURCES,
+                # No FMA contraction: scalar code rounds like PyTorch's separate mul and add.
+                extra_cflags=[
+                    "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
+                ],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as error:  # a missing compiler must not stop the engine
         logger.warning("C++ CPU kernels unavailable (%s); using PyTorch ops", error)
         return False
