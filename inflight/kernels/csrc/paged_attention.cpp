@@ -355,7 +355,7 @@ inline void weigh_values_bf16(const float* probs, int64_t prob_stride, int64_t n
 // int8_dots), 64 dimensions: int16 dot products (vpdpwssd: two int16 products summed into
 // each int32 lane) instead of widening every value to float32. Each row's probabilities
 // (already scaled by their values' scales) are rounded to 15-bit steps of the row's
-// largest, step = max / 32767 (at most half a step each: relative to the largest, 2^-16;
+// largest (row_largest[j], found by softmax_row), step = max / 32767 (at most half a step each: relative to the largest, 2^-16;
 // the values' own int8 rounding is 2^-8); value rows t and t + 1 are interleaved byte by
 // byte and widened to int16 pairs, against the broadcast pair (u[t], u[t+1]). Per two
 // keys: two loads, two unpacks, four widenings and 4 NR dot products, where widening to
@@ -376,27 +376,10 @@ inline void weigh_values_int16(const float* probs, int64_t prob_stride, int64_t 
   float step[NR];
   for (int j = 0; j < NR; ++j) {
     const float* p = probs + j * prob_stride;
-    float largest = 0.f;
-    bool any_nan = false;
+    // The softmax's own largest (NaN for a row with a NaN; see softmax_row).
+    const bool any_nan = std::isnan(row_largest[j]);
+    const float largest = any_nan ? 0.f : row_largest[j];
     int64_t t = 0;
-    if (row_largest != nullptr) {  // the softmax's own (NaN for a row with a NaN)
-      any_nan = std::isnan(row_largest[j]);
-      largest = any_nan ? 0.f : row_largest[j];
-    } else {
-      __m512 top = _mm512_setzero_ps();
-      __mmask16 nan = 0;
-      for (; t + 16 <= num_keys; t += 16) {
-        const __m512 x = _mm512_loadu_ps(p + t);
-        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        top = _mm512_max_ps(top, x);
-      }
-      largest = _mm512_reduce_max_ps(top);
-      any_nan = nan != 0;
-      for (; t < num_keys; ++t) {
-        any_nan |= std::isnan(p[t]);
-        largest = std::max(largest, p[t]);
-      }
-    }
     step[j] = any_nan ? std::numeric_limits<float>::quiet_NaN() : largest / 32767.f;
     const float inv = largest > 0.f && !any_nan ? 32767.f / largest : 0.f;
     pairs[j * half + half - 1] = 0u;  // an odd count's last key pairs with 0
@@ -750,8 +733,7 @@ struct Item {
     if constexpr (std::is_same_v<kv_t, int8_t> && CH == 4) {
       if (query_words != nullptr && D == 64) {  // int8_dots (see weigh_values_int16)
         weigh_values_int16<NR>(p, padded_keys, num_keys, bs, block_rows, row_stride, o,
-                               row_largest != nullptr ? row_largest + (p - scores) / padded_keys
-                                                      : nullptr);
+                               row_largest + (p - scores) / padded_keys);
         return;
       }
     }
