@@ -40,6 +40,10 @@ inline void load_full_tiles() {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
+  // GCC's ldtilecfg builtin is not known to read its operand: a variant of this function
+  // with row counts from an argument had the stores above dropped as dead and loaded stack
+  // garbage (a #GP, SIGSEGV). The compiler barrier keeps them.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
