@@ -355,13 +355,14 @@ inline void weigh_values_bf16(const float* probs, int64_t prob_stride, int64_t n
 // int8_dots), 64 dimensions: int16 dot products (vpdpwssd: two int16 products summed into
 // each int32 lane) instead of widening every value to float32. Each row's probabilities
 // (already scaled by their values' scales) are rounded to 15-bit steps of the row's
-// largest (row_largest[j], found by softmax_row), step = max / 32767 (at most half a step each: relative to the largest, 2^-16;
-// the values' own int8 rounding is 2^-8); value rows t and t + 1 are interleaved byte by
-// byte and widened to int16 pairs, against the broadcast pair (u[t], u[t+1]). Per two
-// keys: two loads, two unpacks, four widenings and 4 NR dot products, where widening to
-// float32 takes eight conversions and 8 NR FMAs. The int32 sums move to float32 every 240
-// keys (each sum stays below 240 * 32767 * 128 < 2^31). A NaN probability (a NaN query)
-// makes its row's step NaN, so the row's outputs are NaN as on the float32 path.
+// largest (row_largest[j], found by softmax_row), step = max / 32767 (at most half a step
+// each: relative to the largest, 2^-16; the values' own int8 rounding is 2^-8); value
+// rows t and t + 1 are interleaved byte by byte and widened to int16 pairs, against the
+// broadcast pair (u[t], u[t+1]). Per two keys: two loads, two unpacks, four widenings and
+// 4 NR dot products, where widening to float32 takes eight conversions and 8 NR FMAs. The
+// int32 sums move to float32 every 240 keys (each sum stays below 240 * 32767 * 128 <
+// 2^31). A NaN probability (a NaN query) makes its row's step NaN, so the row's outputs
+// are NaN as on the float32 path.
 // Measured (Intel Xeon with AMX, `python -m inflight.bench.decode_attention --kv-cache-dtype
 // int8 --order engine`, 57 x 450 tokens, 30 layers from DRAM): 0.69-0.71 against
 // 0.78-0.82 ms a layer.
