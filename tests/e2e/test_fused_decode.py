@@ -62,6 +62,9 @@ def test_tiles_decode_stack_is_bit_identical(
 
     if not (cpu_kernels.gguf_amx_linear_available() or cpu_kernels.bf16_linear_available()):
         pytest.skip("neither the 4-bit AMX linear nor the bfloat16 pair linear on this CPU")
+    # Compute in bfloat16 even where start-up would pick float32 (an Intel Xeon without AMX,
+    # whose bfloat16 dot products run at half the float32 FMA rate): the tiles are bfloat16.
+    monkeypatch.setenv("INFLIGHT_BF16_MATMUL", "bf16")
     llm = LLM(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     model = llm.llm_engine.runner.model
     assert model.fused_decode_tiles is not None, "the default model's linears take the tiles"

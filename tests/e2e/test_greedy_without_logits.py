@@ -19,7 +19,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 def llm() -> LLM:
     if not (cpu_kernels.amx_linear_available() or cpu_kernels.bf16_linear_available()):
         pytest.skip("the fused argmax needs the AMX linear or the bfloat16 pair linear")
-    return LLM(dtype="bfloat16")
+    # Compute in bfloat16 even where start-up would pick float32 (an Intel Xeon without AMX,
+    # whose bfloat16 dot products run at half the float32 FMA rate): the kernels are bfloat16.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("INFLIGHT_BF16_MATMUL", "bf16")
+        return LLM(dtype="bfloat16")
 
 
 def token_ids(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[int]]:
