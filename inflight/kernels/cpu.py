@@ -214,6 +214,32 @@ def bf16_linear_argmax(
 
 
 @cache
+def f32_linear_available() -> bool:
+    """Whether this build has the float32 tile linear (it needs AVX-512)."""
+    return available() and bool(torch.ops.inflight.f32_linear_available())
+
+
+def f32_pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """float32 ``weight [N, K]`` (N a multiple of 16) -> the tiles :func:`f32_linear` reads
+    (``[N * K]`` float32: tiles of up to 64 columns, each ``[K][width]``; see
+    csrc/bf16_linear.cpp)."""
+    return torch.ops.inflight.f32_pack_tiles(weight)
+
+
+def f32_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K] float32 @ W.T -> [M, N] float32`` with W given as :func:`f32_pack_tiles`'
+    output (the bfloat16 pair kernel's blocking with float32 FMAs)."""
+    return torch.ops.inflight.f32_linear(x, packed, out_features)
+
+
+def f32_linear_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Greedy token ids ``[M] int64`` for ``x [M, K] float32``: as :func:`f32_linear`
+    followed by ``max(dim=-1).indices`` (lowest index of a tie), without the ``[M, N]``
+    logits; -1 for a row holding a NaN or only -inf (take those from the logits)."""
+    return torch.ops.inflight.f32_linear_argmax(x, packed, out_features)
+
+
+@cache
 def amx_linear_available() -> bool:
     """Whether this build has the AMX linear (the CPU has AMX tiles and the OS grants them)."""
     return available() and bool(torch.ops.inflight.amx_linear_available())

@@ -1,7 +1,8 @@
 """The linear layer and the weight forms it computes from, chosen per step by row count.
 
 A ``Linear`` always has its dense weight; on the CPU it may also hold oneDNN's blocked copy
-(bfloat16), bfloat16 pair tiles for ``csrc/bf16_linear.cpp`` (mid-sized steps, no AMX) or AMX
+(bfloat16), float32 tiles for ``csrc/bf16_linear.cpp``'s float32 kernel (CPUs with
+AVX-512, float32 compute), bfloat16 pair tiles for ``csrc/bf16_linear.cpp`` (mid-sized steps, no AMX) or AMX
 tiles for ``csrc/amx_linear.cpp`` (mid-sized steps, AMX) with 4-bit GGUF blocks for
 ``csrc/gguf_amx_linear.cpp`` (their decode-sized steps), the
 GGUF blocks of a quantised checkpoint (small steps) or an int8 copy (``quantization="w8a8"``).
@@ -41,6 +42,10 @@ class Linear(nn.Module):
         # use_pair_weight).
         self.pairs: torch.Tensor | None = None
         self.pair_max_rows = 0
+        # The float32 weight as tiles for steps of up to tiles32_max_rows rows (see
+        # use_f32_tiles).
+        self.tiles32: torch.Tensor | None = None
+        self.tiles32_max_rows = 0
         # The weight as AMX B tiles for steps of up to amx_max_rows rows (see use_amx_weight).
         self.amx: torch.Tensor | None = None
         self.amx_max_rows = 0
@@ -95,6 +100,17 @@ class Linear(nn.Module):
         self.pairs = cpu_kernels.bf16_pack_pairs(self.weight.detach())
         self.pair_max_rows = max_rows
 
+    def use_f32_tiles(self, max_rows: int) -> None:
+        """Also keep a float32 weight as tiles for ``csrc/bf16_linear.cpp``'s float32
+        kernel (``f32_linear``): steps of up to ``max_rows`` rows, and more than the GGUF
+        blocks take, then run it instead of PyTorch's GEMM. A no-op for shapes it does not
+        take (out_features not a multiple of 16) and for layers with a bias."""
+        out_features = self.weight.shape[0]
+        if self.bias is not None or out_features % 16 or self.weight.dtype != torch.float32:
+            return
+        self.tiles32 = cpu_kernels.f32_pack_tiles(self.weight.detach())
+        self.tiles32_max_rows = max_rows
+
     def use_amx_weight(self, max_rows: int) -> None:
         """Also keep a bfloat16 weight as AMX tiles for ``csrc/amx_linear.cpp``: steps of up
         to ``max_rows`` rows (and more than the GGUF blocks take) then run that kernel
@@ -121,11 +137,19 @@ class Linear(nn.Module):
         self.gguf_amx_max_rows = max_rows
 
     def _own_choice(self, x: torch.Tensor) -> str | None:
-        """Which of this project's kernels takes this step ("pairs", "gguf_amx", "amx"),
-        where the layer holds its weight form and the step is within its rows; else None."""
-        if x.dtype != torch.bfloat16 or x.dim() != 2:
+        """Which of this project's kernels takes this step ("tiles32", "pairs", "gguf_amx",
+        "amx"), where the layer holds its weight form and the step is within its rows; else
+        None."""
+        if x.dim() != 2:
             return None
         rows = x.shape[0]
+        if x.dtype == torch.float32:
+            small = self.blocks is not None and rows <= self.block_max_rows
+            if self.tiles32 is not None and rows <= self.tiles32_max_rows and not small:
+                return "tiles32"
+            return None
+        if x.dtype != torch.bfloat16:
+            return None
         if self.pairs is not None and rows <= self.pair_max_rows:
             return "pairs"
         if self.gguf_amx is not None and rows <= self.gguf_amx_max_rows:
@@ -139,6 +163,8 @@ class Linear(nn.Module):
         csrc/amx_linear.cpp (see _own_choice); else None."""
         choice = self._own_choice(x)
         out_features = self.weight.shape[0]
+        if choice == "tiles32":
+            return cpu_kernels.f32_linear(x.contiguous(), self.tiles32, out_features)
         if choice == "pairs":
             return cpu_kernels.bf16_linear(
                 x.contiguous(), self.pairs, out_features, float32_out=float32_out
@@ -157,9 +183,14 @@ class Linear(nn.Module):
         """Each row's lowest index of its largest float32 output, ``[M] int64``, exactly
         ``forward_float32(x).max(dim=-1).indices``, without materialising the outputs: for
         the output layer under greedy sampling, where the step runs csrc/amx_linear.cpp
-        (``amx_linear_argmax``) or csrc/bf16_linear.cpp (``bf16_linear_argmax``). -1 for a
+        (``amx_linear_argmax``) or csrc/bf16_linear.cpp (``bf16_linear_argmax``,
+        ``f32_linear_argmax``). -1 for a
         row holding a NaN or only -inf. None where another kernel would take the step."""
         choice = self._own_choice(x)
+        if choice == "tiles32" and self.tiles32 is not None:
+            return cpu_kernels.f32_linear_argmax(
+                x.contiguous(), self.tiles32, self.weight.shape[0]
+            )
         if choice == "amx":
             return cpu_kernels.amx_linear_argmax(x.contiguous(), self.amx, self.weight.shape[0])
         if choice == "pairs" and self.pairs is not None:
@@ -182,7 +213,7 @@ class Linear(nn.Module):
             weight = weight * smooth
             smooth_inv = (1.0 / smooth).float().contiguous()
         self.int8 = (*cpu_kernels.int8_quantize_weight(weight), smooth_inv)
-        self.packed = self.pairs = self.amx = self.gguf_amx = None
+        self.packed = self.pairs = self.amx = self.gguf_amx = self.tiles32 = None
         # The dense weight is not read again: keep its shape and dtype (FLOP counts, the
         # activation dtype) without its memory (the decoder linears are 4/5 of the model).
         shape, dtype = self.weight.shape, self.weight.dtype

@@ -148,6 +148,30 @@ def pair_matmul_rows() -> int:
     return PAIR_MATMUL_MAX_ROWS
 
 
+# Largest step (tokens) whose float32 linears run csrc/bf16_linear.cpp's float32 kernel
+# instead of PyTorch's GEMM (MKL), on CPUs with AVX-512; smaller steps than the GGUF blocks
+# take read those. Measured on the Intel Xeon without AMX (model 207, 2 cores), one pass
+# over SmolLM2's 120 decoder linears, alternating with MKL: 1.65x at 33 rows, 1.2-1.4x at
+# 57, 1.0-1.15x at 100-200, 0.86-0.93x at 512-4096 (see the kernel's header).
+F32_TILE_MATMUL_MAX_ROWS = 256
+
+
+def f32_tile_matmul_rows() -> int:
+    """Rows up to which float32 linears use the float32 tile kernel here (0: never).
+    ``INFLIGHT_F32_LINEAR=torch`` keeps PyTorch's GEMM."""
+    from inflight.kernels import cpu
+
+    if os.environ.get("INFLIGHT_F32_LINEAR", "auto") == "torch":
+        return 0
+    if not cpu.f32_linear_available():
+        return 0
+    logger.info(
+        "float32 linears of up to %d rows: csrc/bf16_linear.cpp's float32 kernel; "
+        "INFLIGHT_F32_LINEAR=torch keeps PyTorch's GEMM", F32_TILE_MATMUL_MAX_ROWS,
+    )
+    return F32_TILE_MATMUL_MAX_ROWS
+
+
 # Largest step (tokens) whose bfloat16 linears run csrc/amx_linear.cpp instead of oneDNN, on
 # CPUs with AMX. Measured on the Intel Xeon with AMX (2 cores), one pass over SmolLM2's 120
 # decoder linears, weights from memory, best of 6 alternations: 1.3-1.5x oneDNN at 9-57
@@ -268,6 +292,12 @@ def build_model(
         gguf_rows = gguf_amx_rows() if amx_rows and quantized and block_max_rows > 0 else 0
         if gguf_rows:
             model.use_gguf_amx_weights(quantized, min(gguf_rows, amx_rows))
+    if device.type == "cpu" and dtype == torch.float32:
+        tile_rows = f32_tile_matmul_rows()
+        if tile_rows:
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.use_f32_tiles(tile_rows)
     model.rotary.build(device)  # RoPE tables stay float32
     if device.type == "cpu":
         model.use_fused_decode()  # a no-op unless the layers read GGUF blocks in C++

@@ -14,6 +14,7 @@ import torch
 
 from helpers.reference import assert_matches_reference, hf_greedy
 from inflight import LLM, SamplingParams
+from inflight.kernels import cpu
 from inflight.model.loader import default_model_path
 
 MAX_NEW_TOKENS = 20
@@ -78,6 +79,11 @@ def test_default_model_greedy_matches_transformers(prompt_token_ids, references,
         assert any(r.preempted for r in records), "the tiny cache was meant to force preemption"
     if schedule == "tiny-token-budget-chunks":
         assert all(r.num_batched_tokens <= 10 for r in records)
+    if schedule == "dense-weights-only" and cpu.f32_linear_available():
+        # steps of up to 256 tokens ran csrc/bf16_linear.cpp's float32 tile kernel
+        layer = llm.llm_engine.runner.model.layers[0]
+        assert layer.mlp.gate_up_proj.tiles32 is not None
+        assert layer.mlp.gate_up_proj._own_choice(torch.zeros(100, 576)) == "tiles32"
     if schedule == "one-at-a-time":
         # The second chat prompt reuses the first's cached blocks (the template's system
         # prompt): prefix caching is on by default and leaves the tokens unchanged.

@@ -94,13 +94,38 @@ def test_bfloat16_kernel_errs_no_more_than_pytorch_sdpa_in_bfloat16(amx):
     assert ours <= theirs  # bfloat16-rounded probabilities measured 1.2x theirs
 
 
-def test_float32_prompts_are_exact_to_sdpa_precision():
-    q, k, v, starts, lengths = make_inputs(9, 3, 64, torch.float32)
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 2, 32), (3, 1, 48), (4, 4, 96)]
+)
+def test_float32_prompts_match_the_float64_attention(heads, kv_heads, head_dim):
+    """float32 prompts (the kernel's own float32 path on CPUs with AVX-512, else SDPA):
+    within float32 rounding of the float64 attention, rows no prompt owns untouched, and a
+    prompt's first query (which sees only its own key) exactly its value row."""
+    q, k, v, starts, lengths = make_inputs(heads, kv_heads, head_dim, torch.float32)
+    sentinel = torch.full_like(q, 7.0)
+    out = sentinel.clone()
+    cpu_kernels.prompt_attention(q, k, v, starts, lengths, 0.125, out)
+    assert torch.equal(out[:2], sentinel[:2]) and torch.equal(out[-1], sentinel[-1])
+    for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
+        expected = sdpa(q, k, v, start, length, 0.125, torch.float64)
+        # a wrong mask or scale errs by ~0.1-1
+        torch.testing.assert_close(
+            out[start : start + length].double(), expected, atol=1e-5, rtol=1e-5
+        )
+    group = heads // kv_heads
+    assert torch.equal(out[starts], v[starts].repeat_interleave(group, dim=1))
+
+
+def test_the_float32_kernel_is_built_where_the_cpu_has_avx512():
+    """Guards the build flags: with AVX-512, float32 prompts must not fall back to SDPA
+    (whose sums are ordered differently: a long prompt's output differs in some bits)."""
+    if "avx512f" not in cpu_flags() or os.environ.get("INFLIGHT_PROMPT_ATTENTION") == "sdpa":
+        pytest.skip("float32 prompts take SDPA here")
+    q, k, v, starts, lengths = make_inputs(9, 3, 64, torch.float32, seed=2)
     out = torch.empty_like(q)
     cpu_kernels.prompt_attention(q, k, v, starts, lengths, 0.125, out)
-    for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
-        expected = reference(q, k, v, start, length, 0.125)
-        torch.testing.assert_close(out[start : start + length], expected, atol=1e-5, rtol=1e-5)
+    start, length = starts[-1].item(), lengths[-1].item()
+    assert not torch.equal(out[start : start + length], sdpa(q, k, v, start, length, 0.125))
 
 
 def test_the_bfloat16_dot_product_path_is_built_where_the_cpu_has_it():

@@ -7,6 +7,10 @@
 //                                       float32 output (greedy sampling's tokens), -1
 //                                       for a row holding a NaN or only -inf
 //
+//   f32_pack_tiles(W) -> packed         the same for a float32 W ([N, K], N a multiple of
+//   f32_linear(x, packed, N) -> y        16): tiles of [K][w] float32, x and y float32,
+//   f32_linear_argmax(x, packed, N)      one vfmadd231ps per weight instead of vdpbf16ps
+//
 //   W:       [N, K] bfloat16, N a multiple of 16, K even
 //   packed:  [N * K / 2] int32: W in tiles of up to 64 output columns; tile t (columns
 //            64 t .. 64 t + w) holds [K / 2][w] pairs, pair (kp, c) = W[64 t + c][2 kp .. 2 kp + 1]
@@ -26,6 +30,15 @@
 // once per step. The tile (64 x K x 2 bytes: 72-192 KB here) stays in L2 for the later
 // slices; while a tile computes, the next one is prefetched into L2, its lines spread evenly
 // over the current tile's steps, so DRAM streams under the arithmetic instead of before it.
+//
+// float32: on CPUs where bfloat16 dot products do not pay, bfloat16 models compute in
+// float32 (worker/device.py), and so does the default dtype. The same blocking with float32
+// FMAs, measured on the Intel Xeon without AMX (model 207, 2 cores), one pass over
+// SmolLM2's 120 decoder linears against PyTorch's float32 GEMM (MKL), alternating: 1.65x
+// at 33 rows, 1.2-1.4x at 57, 1.0-1.15x at 100-200, 0.82-0.93x at 512-4096 (MKL's blocking
+// of large steps is better): worker/device.py's F32_TILE_MATMUL_MAX_ROWS. Taking K in
+// L1-sized ranges for groups of slices (the tile is twice as large as bfloat16 pairs) was
+// tried and measured level within this VM's noise.
 //
 // The output layer's float32 logits ([M, 49152]: 11 MB at 57 rows, 39 MB at 200) are
 // written with non-temporal stores: they are read once, later, by the sampler, and written
@@ -55,7 +68,7 @@ namespace {
 constexpr int64_t kTileCols = 64;  // output columns per tile: 4 vectors of 16
 constexpr int64_t kSliceRows = 6;  // activation rows per pass over a tile
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 
 using inflight_vec::store16;
 
@@ -66,7 +79,8 @@ template <typename out_t>
 struct StoreRows {
   out_t* y;
   int64_t ldy;
-  bool stream = std::is_same_v<out_t, float> && reinterpret_cast<uintptr_t>(y) % 64 == 0;
+  bool wide = true;  // float32 rows worth streaming (the output layer's logits)
+  bool stream = wide && std::is_same_v<out_t, float> && reinterpret_cast<uintptr_t>(y) % 64 == 0;
   void take(int64_t row, int64_t col, __m512 sums) {
     if constexpr (std::is_same_v<out_t, float>) {
       if (stream) {
@@ -121,8 +135,9 @@ struct RunningArgmax {
 
 // acc[r][j] over all K for NR activation rows (from row0) and NB 16-column blocks of one
 // tile (from col); then into the sink. While it runs, `lines` cache lines from `prefetch`
-// go to L2, spread over the steps.
-template <int NR, int NB, typename Sink>
+// go to L2, spread over the steps. kPairs: each 32-bit unit a bfloat16 pair (vdpbf16ps);
+// else one float32 (vfmadd231ps).
+template <bool kPairs, int NR, int NB, typename Sink>
 void slice(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t width, int64_t kpairs,
            Sink& sink, int64_t row0, int64_t col, const char* prefetch, int64_t lines) {
   __m512 acc[NR][NB];
@@ -137,20 +152,28 @@ void slice(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t width, int
     __m512i bv[NB];
     for (int j = 0; j < NB; ++j) bv[j] = _mm512_loadu_si512(b + kp * width + 16 * j);
     for (int r = 0; r < NR; ++r) {
-      const __m512i av = _mm512_set1_epi32(static_cast<int>(a[r * lda + kp]));
-      for (int j = 0; j < NB; ++j)
-        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)av, (__m512bh)bv[j]);
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        const __m512i av = _mm512_set1_epi32(static_cast<int>(a[r * lda + kp]));
+        for (int j = 0; j < NB; ++j)
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)av, (__m512bh)bv[j]);
+#endif
+      } else {
+        const __m512 av = _mm512_set1_ps(reinterpret_cast<const float*>(a)[r * lda + kp]);
+        for (int j = 0; j < NB; ++j)
+          acc[r][j] = _mm512_fmadd_ps(av, _mm512_castsi512_ps(bv[j]), acc[r][j]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NB; ++j) sink.take(row0 + r, col + 16 * j, acc[r][j]);
 }
 
-template <int NB, typename Sink>
+template <bool kPairs, int NB, typename Sink>
 void slice_rows(int64_t rows, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t width,
                 int64_t kpairs, Sink& sink, int64_t row0, int64_t col, const char* prefetch,
                 int64_t lines) {
-#define INFLIGHT_SLICE(NR) slice<NR, NB>(a, lda, b, width, kpairs, sink, row0, col, prefetch, lines)
+#define INFLIGHT_SLICE(NR) slice<kPairs, NR, NB>(a, lda, b, width, kpairs, sink, row0, col, prefetch, lines)
   switch (rows) {
     case 1: INFLIGHT_SLICE(1); break;
     case 2: INFLIGHT_SLICE(2); break;
@@ -164,11 +187,11 @@ void slice_rows(int64_t rows, const uint32_t* a, int64_t lda, const uint32_t* b,
 
 // All M rows against columns [col, col + width) of the tile that starts at tile_col (width a
 // multiple of 16 inside that tile); `next_lines` cache lines from `next` go to L2 meanwhile.
-template <typename Sink>
-void piece(const uint32_t* x, int64_t M, int64_t K, const uint32_t* packed, int64_t N,
+// K counts 32-bit units (bfloat16 pairs, or float32 values).
+template <bool kPairs, typename Sink>
+void piece(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t* packed, int64_t N,
            int64_t tile_col, int64_t col, int64_t width, const char* next, int64_t next_lines,
            Sink& sink) {
-  const int64_t kpairs = K / 2;
   const int64_t stride = std::min(kTileCols, N - tile_col);  // the tile's own width
   const uint32_t* b = packed + tile_col * kpairs + (col - tile_col);
   const int64_t slices = (M + kSliceRows - 1) / kSliceRows;
@@ -181,27 +204,26 @@ void piece(const uint32_t* x, int64_t M, int64_t K, const uint32_t* packed, int6
     const uint32_t* a = x + m0 * kpairs;
     const char* pf = next + begin * 64;
     switch (width / 16) {
-      case 1: slice_rows<1>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
-      case 2: slice_rows<2>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
-      case 3: slice_rows<3>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
-      default: slice_rows<4>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
+      case 1: slice_rows<kPairs, 1>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
+      case 2: slice_rows<kPairs, 2>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
+      case 3: slice_rows<kPairs, 3>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
+      default: slice_rows<kPairs, 4>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
     }
   }
 }
 
 // Columns [begin, end) (multiples of 16), tile by tile; a range that starts or ends inside a
 // tile takes that tile's part. Each piece prefetches the whole tile of the next one.
-template <typename Sink>
-void columns(const uint32_t* x, int64_t M, int64_t K, const uint32_t* packed, int64_t N,
+template <bool kPairs, typename Sink>
+void columns(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t* packed, int64_t N,
              int64_t begin, int64_t end, Sink& sink) {
-  const int64_t kpairs = K / 2;
   for (int64_t col = begin; col < end;) {
     const int64_t tile_col = col / kTileCols * kTileCols;
     const int64_t stop = std::min(end, tile_col + kTileCols);  // end <= N
     const int64_t next_tile = tile_col + kTileCols;
     const int64_t next_width = stop < end ? std::min(kTileCols, N - next_tile) : 0;
     const char* next = reinterpret_cast<const char*>(packed + next_tile * kpairs);
-    piece(x, M, K, packed, N, tile_col, col, stop - col, next, next_width * kpairs * 4 / 64,
+    piece<kPairs>(x, M, kpairs, packed, N, tile_col, col, stop - col, next, next_width * kpairs * 4 / 64,
           sink);
     col = stop;
   }
@@ -211,19 +233,19 @@ void columns(const uint32_t* x, int64_t M, int64_t K, const uint32_t* packed, in
 // Each thread an equal run of 16-column blocks, not of whole 64-column tiles: the 9 tiles
 // of a 576-column layer (SmolLM2's o and down projections) split 5 : 4 between two
 // threads, so such a call took five tiles' time for four and a half tiles' work.
-// make_sink(first column) gives the thread's sink.
-template <typename MakeSink>
+// make_sink(first column) gives the thread's sink. K counts 32-bit units, as in piece.
+template <bool kPairs, typename MakeSink>
 void for_column_runs(const uint32_t* x, int64_t M, int64_t K, const uint32_t* packed, int64_t N,
                      MakeSink make_sink) {
   const int64_t blocks = N / 16, threads = at::get_num_threads();
   const int64_t per_thread = (blocks + threads - 1) / threads;
   at::parallel_for(0, blocks, per_thread, [&](int64_t begin, int64_t end) {
     auto&& sink = make_sink(begin * 16);
-    columns(x, M, K, packed, N, begin * 16, end * 16, sink);
+    columns<kPairs>(x, M, K, packed, N, begin * 16, end * 16, sink);
   });
 }
 
-#endif  // __AVX512BF16__
+#endif  // __AVX512F__
 
 bool bf16_linear_available() {
 #if defined(__AVX512BF16__)
@@ -233,6 +255,19 @@ bool bf16_linear_available() {
 #endif
 }
 
+// [N][units] 32-bit units (a row of W) -> tiles of up to 64 columns, [units][width] each.
+void pack_tiles(const uint32_t* src, uint32_t* dst, int64_t N, int64_t units) {
+  const int64_t tiles = (N + kTileCols - 1) / kTileCols;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t col = t * kTileCols, width = std::min(kTileCols, N - col);
+      uint32_t* out = dst + col * units;
+      for (int64_t u = 0; u < units; ++u)
+        for (int64_t c = 0; c < width; ++c) out[u * width + c] = src[(col + c) * units + u];
+    }
+  });
+}
+
 at::Tensor bf16_pack_pairs(const at::Tensor& weight_in) {
   const at::Tensor w = weight_in.contiguous();
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
@@ -240,20 +275,23 @@ at::Tensor bf16_pack_pairs(const at::Tensor& weight_in) {
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % 16 == 0 && K % 2 == 0 && K > 0,
               "bf16_pack_pairs needs N a multiple of 16 and K even, got [", N, ", ", K, "]");
-  const int64_t kpairs = K / 2;
-  auto packed = at::empty({N * kpairs}, w.options().dtype(at::kInt));
-  const auto* src = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
-  const int64_t tiles = (N + kTileCols - 1) / kTileCols;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t col = t * kTileCols, width = std::min(kTileCols, N - col);
-      uint32_t* out = dst + col * kpairs;
-      for (int64_t kp = 0; kp < kpairs; ++kp)
-        for (int64_t c = 0; c < width; ++c) out[kp * width + c] = src[(col + c) * kpairs + kp];
-    }
-  });
+  auto packed = at::empty({N * K / 2}, w.options().dtype(at::kInt));
+  pack_tiles(reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>()),
+             reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>()), N, K / 2);
   return packed;
+}
+
+at::Tensor f32_pack_tiles(const at::Tensor& weight_in) {
+  const at::Tensor w = weight_in.contiguous();
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat,
+              "weight must be a float32 [N, K] tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0 && K > 0,
+              "f32_pack_tiles needs N a multiple of 16, got [", N, ", ", K, "]");
+  auto packed = at::empty({N, K}, w.options());
+  pack_tiles(reinterpret_cast<const uint32_t*>(w.data_ptr<float>()),
+             reinterpret_cast<uint32_t*>(packed.data_ptr<float>()), N, K);
+  return packed.view({N * K});
 }
 
 void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
@@ -279,7 +317,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   auto run = [&](auto* yp) {
     using out_t = std::remove_pointer_t<decltype(yp)>;
-    for_column_runs(xp, M, K, wp, N, [&](int64_t) { return StoreRows<out_t>{yp, N}; });
+    for_column_runs<true>(xp, M, K / 2, wp, N, [&](int64_t) { return StoreRows<out_t>{yp, N}; });
   };
   if (float32_out) {
     run(y.data_ptr<float>());
@@ -292,25 +330,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return y;
 }
 
-// Greedy sampling's tokens from the output layer: for each row of x the lowest column of
-// its largest float32 sum, exactly bf16_linear(x, packed, N, true).max(dim=-1).indices,
-// without writing the logits (RunningArgmax per thread, merged in column order). -1 for
-// a row holding a NaN or only -inf: the caller takes those rows from the logits.
-at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  check_operands(x, packed, N);
-  const int64_t M = x.size(0), K = x.size(1);
-  auto tokens = at::empty({M}, x.options().dtype(at::kLong));
-  if (M == 0) return tokens;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
+// Each row's lowest column of its largest float32 sum into out[M] (-1: a NaN or only -inf),
+// from per-thread RunningArgmax parts merged in column order.
+template <bool kPairs>
+void argmax_over_columns(const uint32_t* x, int64_t M, int64_t units, const uint32_t* packed,
+                         int64_t N, int64_t* out) {
   std::map<int64_t, RunningArgmax> parts;  // by first column: merged in column order
   std::mutex adding;
-  for_column_runs(reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()), M, K,
-                  reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), N,
-                  [&](int64_t first_column) -> RunningArgmax& {
-                    std::lock_guard<std::mutex> hold(adding);
-                    return parts.try_emplace(first_column, M).first->second;
-                  });
-  int64_t* out = tokens.data_ptr<int64_t>();
+  for_column_runs<kPairs>(x, M, units, packed, N, [&](int64_t first_column) -> RunningArgmax& {
+    std::lock_guard<std::mutex> hold(adding);
+    return parts.try_emplace(first_column, M).first->second;
+  });
   for (int64_t r = 0; r < M; ++r) {
     float value = -std::numeric_limits<float>::infinity();
     int64_t token = -1;
@@ -325,8 +356,78 @@ at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int
     }
     out[r] = nan ? -1 : token;
   }
+}
+#endif
+
+// Greedy sampling's tokens from the output layer: for each row of x the lowest column of
+// its largest float32 sum, exactly bf16_linear(x, packed, N, true).max(dim=-1).indices,
+// without writing the logits (RunningArgmax per thread, merged in column order). -1 for
+// a row holding a NaN or only -inf: the caller takes those rows from the logits.
+at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  check_operands(x, packed, N);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto tokens = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return tokens;
+#if defined(__AVX512BF16__)
+  argmax_over_columns<true>(reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()), M,
+                            K / 2, reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                            N, tokens.data_ptr<int64_t>());
 #else
   TORCH_CHECK(false, "bf16_linear_argmax needs AVX512-BF16");
+#endif
+  return tokens;
+}
+
+bool f32_linear_available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void check_f32_operands(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  N % 16 == 0 && packed.numel() == N * K,
+              "packed has ", packed.numel(), " values; [", N, ", ", K, "] needs ", N * K,
+              " (from f32_pack_tiles)");
+}
+
+// y [M, N] float32 = x @ W.T, W as f32_pack_tiles' tiles: the bfloat16 kernel's blocking
+// with one float32 FMA per weight. Rows of 16384 columns or more (an output layer's logits)
+// are written with non-temporal stores, narrower ones (read by the next layer at once)
+// through the cache.
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  check_f32_operands(x, packed, N);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+#if defined(__AVX512F__)
+  float* yp = y.data_ptr<float>();
+  for_column_runs<false>(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), M, K,
+                         reinterpret_cast<const uint32_t*>(packed.data_ptr<float>()), N,
+                         [&](int64_t) { return StoreRows<float>{yp, N, N >= 16384}; });
+#else
+  TORCH_CHECK(false, "f32_linear needs AVX-512; use PyTorch's matmul on this CPU");
+#endif
+  return y;
+}
+
+// f32_linear(x, packed, N).max(dim=-1).indices without the logits; -1 as in bf16_linear_argmax.
+at::Tensor f32_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  check_f32_operands(x, packed, N);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto tokens = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return tokens;
+#if defined(__AVX512F__)
+  argmax_over_columns<false>(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), M, K,
+                             reinterpret_cast<const uint32_t*>(packed.data_ptr<float>()), N,
+                             tokens.data_ptr<int64_t>());
+#else
+  TORCH_CHECK(false, "f32_linear_argmax needs AVX-512");
 #endif
   return tokens;
 }
@@ -341,4 +442,11 @@ TORCH_LIBRARY_FRAGMENT(inflight, m) {
   m.def("bf16_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor");
   m.impl("bf16_linear_argmax", c10::DispatchKey::CPU, &bf16_linear_argmax);
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);
+  m.def("f32_pack_tiles(Tensor weight) -> Tensor");
+  m.impl("f32_pack_tiles", c10::DispatchKey::CPU, &f32_pack_tiles);
+  m.def("f32_linear(Tensor x, Tensor packed, int N) -> Tensor");
+  m.impl("f32_linear", c10::DispatchKey::CPU, &f32_linear);
+  m.def("f32_linear_argmax(Tensor x, Tensor packed, int N) -> Tensor");
+  m.impl("f32_linear_argmax", c10::DispatchKey::CPU, &f32_linear_argmax);
+  m.def("f32_linear_available() -> bool", &f32_linear_available);
 }
