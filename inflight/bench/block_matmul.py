@@ -3,9 +3,11 @@
     python -m inflight.bench.block_matmul [--model PATH] [--rows 1 2 4 8 16 32 64]
 
 For each batch size M (tokens in a step) it times one pass over every linear layer of the
-model (the weights streamed once, as in a real step) four ways: the GGUF block kernel,
-dense float32 and dense bfloat16 matmuls, and bfloat16 through oneDNN's pre-packed
-weights (what the engine runs for bfloat16 steps on the CPU). ``worker/device.py``'s ``BLOCK_MATMUL_MAX_ROWS``
+model (the weights streamed once, as in a real step) five ways: the GGUF block kernel,
+dense float32 and dense bfloat16 matmuls, bfloat16 through oneDNN's pre-packed weights
+(what the engine runs for bfloat16 steps on the CPU), and float32 through this project's
+tile kernel (``tiles32``: ``csrc/bf16_linear.cpp``'s ``f32_linear``, on CPUs with AVX-512;
+``worker/device.py``'s ``F32_TILE_MATMUL_MAX_ROWS`` is where it stops beating ``fp32``). ``worker/device.py``'s ``BLOCK_MATMUL_MAX_ROWS``
 is the largest M at which the block kernel is still the faster choice for each dtype.
 """
 
@@ -48,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     dense32 = [m.weight for m in layers]
     dense16 = [w.bfloat16() for w in dense32]
     packed16 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in dense16]
+    tiles = cpu.f32_linear_available() and all(w.shape[0] % 16 == 0 for w in dense32)
+    tiles32 = [cpu.f32_pack_tiles(w) for w in dense32] if tiles else []
     print(f"{len(layers)} linear layers; times in ms per pass over all of them")
-    print(f"{'rows':>5} {'blocks':>8} {'fp32':>8} {'bf16':>8} {'packed':>8}")
+    print(f"{'rows':>5} {'blocks':>8} {'fp32':>8} {'bf16':>8} {'packed':>8} {'tiles32':>8}")
     with torch.inference_mode():
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in dense32}}
@@ -66,7 +70,14 @@ def main(argv: list[str] | None = None) -> int:
                 ],
                 args.repeats,
             )
-            print(f"{rows:>5} {blocks:>8.1f} {fp32:>8.1f} {bf16:>8.1f} {packed:>8.1f}")
+            tiled = _time_ms(
+                lambda x=inputs: [
+                    cpu.f32_linear(x[w.shape[1]], t, w.shape[0])
+                    for w, t in zip(dense32, tiles32, strict=True)
+                ],
+                args.repeats,
+            ) if tiles else float("nan")
+            print(f"{rows:>5} {blocks:>8.1f} {fp32:>8.1f} {bf16:>8.1f} {packed:>8.1f} {tiled:>8.1f}")
     return 0
 
 

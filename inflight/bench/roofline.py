@@ -30,7 +30,8 @@ KERNEL_OPS: dict[str, tuple[str, ...]] = {
     # the dense one (above theirs: their fraction reads a little high).
     "linear (dense)": (
         "aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
-        "inflight::bf16_linear", "inflight::bf16_linear_argmax", "inflight::amx_linear",
+        "inflight::bf16_linear", "inflight::bf16_linear_argmax", "inflight::f32_linear",
+        "inflight::f32_linear_argmax", "inflight::amx_linear",
         "inflight::amx_linear_argmax",
         "inflight::gguf_amx_linear",
     ),

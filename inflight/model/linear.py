@@ -227,14 +227,18 @@ class Linear(nn.Module):
         bfloat16 (8 bits of mantissa: steps of 1/16 at a logit of 10) often tie, and greedy
         argmax then takes the lowest tied id. Unrounded where the bf16 pair kernel or the
         AMX kernel takes the step; other paths' outputs are widened (the GGUF blocks' are
-        float32 already)."""
-        own = self._own_kernel(x, float32_out=True)
-        return own if own is not None else self(x).float()
+        float32 already). Through ``self(...)``, so forward hooks see every path."""
+        return self(x, float32_out=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        own = self._own_kernel(x, float32_out=False)
+    def forward(self, x: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
+        own = self._own_kernel(x, float32_out=float32_out)
         if own is not None:
             return own
+        y = self._forward_other(x)
+        return y.float() if float32_out else y
+
+    def _forward_other(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's packed weight, the GGUF blocks, the int8 weight or PyTorch's GEMM."""
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.blocks is not None and x.shape[0] <= self.block_max_rows:
