@@ -173,7 +173,8 @@ template <bool kPairs, int NB, typename Sink>
 void slice_rows(int64_t rows, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t width,
                 int64_t kpairs, Sink& sink, int64_t row0, int64_t col, const char* prefetch,
                 int64_t lines) {
-#define INFLIGHT_SLICE(NR) slice<kPairs, NR, NB>(a, lda, b, width, kpairs, sink, row0, col, prefetch, lines)
+#define INFLIGHT_SLICE(NR) \
+  slice<kPairs, NR, NB>(a, lda, b, width, kpairs, sink, row0, col, prefetch, lines)
   switch (rows) {
     case 1: INFLIGHT_SLICE(1); break;
     case 2: INFLIGHT_SLICE(2); break;
@@ -203,12 +204,15 @@ void piece(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t* packed,
     const int64_t lines = std::min(next_lines, begin + share) - begin;
     const uint32_t* a = x + m0 * kpairs;
     const char* pf = next + begin * 64;
+#define INFLIGHT_ROWS(NB) \
+  slice_rows<kPairs, NB>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines)
     switch (width / 16) {
-      case 1: slice_rows<kPairs, 1>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
-      case 2: slice_rows<kPairs, 2>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
-      case 3: slice_rows<kPairs, 3>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
-      default: slice_rows<kPairs, 4>(rows, a, kpairs, b, stride, kpairs, sink, m0, col, pf, lines); break;
+      case 1: INFLIGHT_ROWS(1); break;
+      case 2: INFLIGHT_ROWS(2); break;
+      case 3: INFLIGHT_ROWS(3); break;
+      default: INFLIGHT_ROWS(4); break;
     }
+#undef INFLIGHT_ROWS
   }
 }
 
@@ -223,8 +227,8 @@ void columns(const uint32_t* x, int64_t M, int64_t kpairs, const uint32_t* packe
     const int64_t next_tile = tile_col + kTileCols;
     const int64_t next_width = stop < end ? std::min(kTileCols, N - next_tile) : 0;
     const char* next = reinterpret_cast<const char*>(packed + next_tile * kpairs);
-    piece<kPairs>(x, M, kpairs, packed, N, tile_col, col, stop - col, next, next_width * kpairs * 4 / 64,
-          sink);
+    piece<kPairs>(x, M, kpairs, packed, N, tile_col, col, stop - col, next,
+                  next_width * kpairs * 4 / 64, sink);
     col = stop;
   }
   sink.finish();

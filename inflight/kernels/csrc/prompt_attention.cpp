@@ -298,14 +298,17 @@ void dot_item(const PromptShape& sh, const TileItem& it, const Packed& p,
   int64_t r = 0;
   for (; r + 6 <= rows; r += 6)
     score_rows<T, 6>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride);
+#define INFLIGHT_SCORE(NR) \
+  score_rows<T, NR>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride)
   switch (rows - r) {
-    case 1: score_rows<T, 1>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-    case 2: score_rows<T, 2>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-    case 3: score_rows<T, 3>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-    case 4: score_rows<T, 4>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
-    case 5: score_rows<T, 5>(qrows + r, p.keys, blocks, pairs, fscale, sc + r * stride, stride); break;
+    case 1: INFLIGHT_SCORE(1); break;
+    case 2: INFLIGHT_SCORE(2); break;
+    case 3: INFLIGHT_SCORE(3); break;
+    case 4: INFLIGHT_SCORE(4); break;
+    case 5: INFLIGHT_SCORE(5); break;
     default: break;
   }
+#undef INFLIGHT_SCORE
   for (int64_t row = 0; row < rows; ++row)
     s.inv_sums[row] = softmax_numerators(sc + row * stride, it.q_begin + row / G + 1, stride);
   // Rows per pass keep NR * CH accumulators in registers (CH = D / 16); each pass runs
