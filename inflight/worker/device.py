@@ -123,6 +123,13 @@ def _time_gemms(hidden: int, inner: int) -> tuple[float, float]:
 # 1/8/12/16/32 rows, bfloat16 packed 21-22 ms at 1-16 rows and 26 at 32, float32
 # 30/76/81/77/83 ms.
 BLOCK_MATMUL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 8, torch.float16: 32}
+# float32 where the float32 tile kernel takes the steps past the blocks (see
+# F32_TILE_MATMUL_MAX_ROWS): measured on the Intel Xeon without AMX (model 207), one pass
+# over SmolLM2's 121 linears, blocks against tiles 23.6 / 28.0 ms at 12 rows, 31.5 / 36.4
+# at 16, 44.4 / 42.6 at 20, 59.2 / 43.4 at 24, 85.8 / 47.1 at 32; whole decode steps of
+# bf16 weights computed in float32, 16 against 32 block rows: 54-61 / 56-68 ms at 20
+# sequences, 54.6 / 79.0 at 24, 66.4 / 94.8 at 32.
+BLOCK_MATMUL_MAX_ROWS_BESIDE_F32_TILES = 16
 
 
 # Largest step (tokens) whose bfloat16 linears run csrc/bf16_linear.cpp instead of oneDNN,
@@ -232,6 +239,8 @@ def block_matmul_rows(
                 "use quantization='none' here"
             )
         return 0
+    if dtype == torch.float32 and f32_tile_matmul_rows():
+        return BLOCK_MATMUL_MAX_ROWS_BESIDE_F32_TILES
     return BLOCK_MATMUL_MAX_ROWS[dtype]
 
 

@@ -58,7 +58,7 @@ SCHEDULES = {
     "all-at-once": dict(max_num_seqs=16),
     "tiny-kv-cache-preempts": dict(max_num_seqs=6, num_kv_blocks=12, block_size=8),
     "tiny-token-budget-chunks": dict(max_num_seqs=6, max_num_batched_tokens=10),
-    # By default steps of up to 32 tokens read the GGUF blocks; this one keeps every step
+    # By default steps of up to 16-32 tokens read the GGUF blocks; this one keeps every step
     # on the dense float32 weights.
     "dense-weights-only": dict(max_num_seqs=16, quantization="none"),
     "prefix-caching-off": dict(max_num_seqs=16, enable_prefix_caching=False),

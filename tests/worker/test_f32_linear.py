@@ -156,3 +156,17 @@ def test_the_kernel_is_turned_off_by_its_variable(monkeypatch):
     assert device.f32_tile_matmul_rows() == device.F32_TILE_MATMUL_MAX_ROWS
     monkeypatch.setenv("INFLIGHT_F32_LINEAR", "torch")
     assert device.f32_tile_matmul_rows() == 0
+
+
+def test_small_float32_steps_read_the_blocks_only_up_to_where_the_tiles_win(monkeypatch):
+    """With the tile kernel, float32 steps of 17-32 rows take it instead of the GGUF
+    blocks; without it (INFLIGHT_F32_LINEAR=torch) the blocks keep steps up to 32."""
+    from inflight.model.loader import default_model_path, load_checkpoint
+    from inflight.worker import device
+
+    quantized = load_checkpoint(default_model_path()).quantized
+    cpu_device = torch.device("cpu")
+    assert device.block_matmul_rows(None, quantized, cpu_device, torch.float32) == 16
+    assert device.block_matmul_rows(None, quantized, cpu_device, torch.bfloat16) == 8
+    monkeypatch.setenv("INFLIGHT_F32_LINEAR", "torch")
+    assert device.block_matmul_rows(None, quantized, cpu_device, torch.float32) == 32
