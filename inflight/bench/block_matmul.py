@@ -7,8 +7,9 @@ model (the weights streamed once, as in a real step) five ways: the GGUF block k
 dense float32 and dense bfloat16 matmuls, bfloat16 through oneDNN's pre-packed weights
 (what the engine runs for bfloat16 steps on the CPU), and float32 through this project's
 tile kernel (``tiles32``: ``csrc/bf16_linear.cpp``'s ``f32_linear``, on CPUs with AVX-512;
-``worker/device.py``'s ``F32_TILE_MATMUL_MAX_ROWS`` is where it stops beating ``fp32``). ``worker/device.py``'s ``BLOCK_MATMUL_MAX_ROWS``
-is the largest M at which the block kernel is still the faster choice for each dtype.
+``worker/device.py``'s ``F32_TILE_MATMUL_MAX_ROWS`` is where it stops beating ``fp32``).
+``worker/device.py``'s ``BLOCK_MATMUL_MAX_ROWS`` is the largest M at which the block kernel
+is still the faster choice for each dtype.
 """
 
 from __future__ import annotations
@@ -70,14 +71,18 @@ def main(argv: list[str] | None = None) -> int:
                 ],
                 args.repeats,
             )
-            tiled = _time_ms(
-                lambda x=inputs: [
-                    cpu.f32_linear(x[w.shape[1]], t, w.shape[0])
-                    for w, t in zip(dense32, tiles32, strict=True)
-                ],
-                args.repeats,
-            ) if tiles else float("nan")
-            print(f"{rows:>5} {blocks:>8.1f} {fp32:>8.1f} {bf16:>8.1f} {packed:>8.1f} {tiled:>8.1f}")
+            tiled = float("nan")
+            if tiles:
+                tiled = _time_ms(
+                    lambda x=inputs: [
+                        cpu.f32_linear(x[w.shape[1]], t, w.shape[0])
+                        for w, t in zip(dense32, tiles32, strict=True)
+                    ],
+                    args.repeats,
+                )
+            print(
+                f"{rows:>5} {blocks:>8.1f} {fp32:>8.1f} {bf16:>8.1f} {packed:>8.1f} {tiled:>8.1f}"
+            )
     return 0
 
 

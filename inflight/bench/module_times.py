@@ -79,7 +79,8 @@ class ModuleTimes:
             handles.append(module.register_forward_hook(self._exit_hook(row)))
             if isinstance(module, Linear):
                 # the output layer's fused greedy argmax is a call of its own, not forward
-                module.greedy_argmax = self._timed_greedy(module, row)  # type: ignore[method-assign]
+                timed = self._timed_greedy(module, row)
+                module.greedy_argmax = timed  # type: ignore[method-assign]
                 wrapped.append(module)
         try:
             yield self
@@ -90,7 +91,7 @@ class ModuleTimes:
                 del module.greedy_argmax
 
     def _timed_greedy(self, module: Linear, row: ModuleTime) -> Any:
-        original = type(module).greedy_argmax.__get__(module)
+        original = module.greedy_argmax  # the bound method, before the instance's wrapper
         exit_ = self._exit_hook(row)
 
         def timed(x: torch.Tensor) -> torch.Tensor | None:

@@ -2,10 +2,10 @@
 
 A ``Linear`` always has its dense weight; on the CPU it may also hold oneDNN's blocked copy
 (bfloat16), float32 tiles for ``csrc/bf16_linear.cpp``'s float32 kernel (CPUs with
-AVX-512, float32 compute), bfloat16 pair tiles for ``csrc/bf16_linear.cpp`` (mid-sized steps, no AMX) or AMX
-tiles for ``csrc/amx_linear.cpp`` (mid-sized steps, AMX) with 4-bit GGUF blocks for
-``csrc/gguf_amx_linear.cpp`` (their decode-sized steps), the
-GGUF blocks of a quantised checkpoint (small steps) or an int8 copy (``quantization="w8a8"``).
+AVX-512, float32 compute), bfloat16 pair tiles for ``csrc/bf16_linear.cpp`` (mid-sized
+steps, no AMX) or AMX tiles for ``csrc/amx_linear.cpp`` (mid-sized steps, AMX) with 4-bit
+GGUF blocks for ``csrc/gguf_amx_linear.cpp`` (their decode-sized steps), the GGUF blocks of
+a quantised checkpoint (small steps) or an int8 copy (``quantization="w8a8"``).
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ class Linear(nn.Module):
         ``forward_float32(x).max(dim=-1).indices``, without materialising the outputs: for
         the output layer under greedy sampling, where the step runs csrc/amx_linear.cpp
         (``amx_linear_argmax``) or csrc/bf16_linear.cpp (``bf16_linear_argmax``,
-        ``f32_linear_argmax``). -1 for a
-        row holding a NaN or only -inf. None where another kernel would take the step."""
+        ``f32_linear_argmax``). -1 for a row holding a NaN or only -inf. None where another
+        kernel would take the step."""
         choice = self._own_choice(x)
         if choice == "tiles32" and self.tiles32 is not None:
             return cpu_kernels.f32_linear_argmax(
