@@ -36,7 +36,11 @@ class LLM:
         self.llm_engine = LLMEngine.from_options(model, **options)
 
     def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+        """The model's transformers tokenizer (for a GGUF model, built on this first call:
+        the engine itself encodes and decodes without transformers)."""
+        from inflight.model.gguf_tokenizer import hf_tokenizer
+
+        return hf_tokenizer(self.llm_engine.tokenizer)
 
     @property
     def step_trace(self) -> StepTrace:

@@ -62,10 +62,11 @@ def load_gguf(path: str) -> LoadedCheckpoint:
     order = sorted(range(len(names)), key=lambda i: _fusion_order(names[i]))
     names, tensors = [names[i] for i in order], [tensors[i] for i in order]
     # Decoding (C++ and page faults, without the GIL) overlaps the tokenizer's build, which
-    # is Python: importing transformers and reading the vocabulary take about as long. The
-    # decoding thread must import nothing: imports in two threads at once can see each
-    # other's half-initialised modules (measured: transformers failing to find
-    # huggingface_hub.utils), so its kernels are loaded here first.
+    # is Python (reading the vocabulary; for vocabularies gguf_tokenizer cannot build
+    # itself, importing transformers too). The decoding thread must import nothing: imports
+    # in two threads at once can see each other's half-initialised modules (measured:
+    # transformers failing to find huggingface_hub.utils), so its kernels are loaded here
+    # first.
     _load_decoders()
     with ThreadPoolExecutor(max_workers=1) as pool:
         decoded = pool.submit(dequantize_all, tensors)

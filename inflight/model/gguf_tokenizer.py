@@ -3,18 +3,26 @@
 ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` takes ~4 s on SmolLM2 (it re-parses the
 file and goes through the slow-tokenizer classes), which alone would blow the engine's 3 s
 start-up budget. For byte-level BPE vocabularies whose pre-tokenizer is GPT-2's regex we build
-the identical ``tokenizers.Tokenizer`` directly from the already-parsed metadata (~0.15 s);
-anything else falls back to transformers, which is slow but knows every vocabulary flavour.
+the identical ``tokenizers.Tokenizer`` directly from the already-parsed metadata (~0.15 s)
+and wrap it in :class:`GGUFTokenizer`, which encodes and decodes on it directly and builds
+the transformers tokenizer only when something else is asked of it (a chat template, a
+grammar's vocabulary): importing transformers alone takes 0.8-1.3 s, a third of the start-up
+on the slower CPUs. Anything else falls back to transformers, which is slow but knows every
+vocabulary flavour.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # llama.cpp ``tokenizer.ggml.pre`` values for which transformers uses plain GPT-2 byte-level
 # pre-tokenisation (no extra split regex), so our direct build reproduces it exactly. Other
@@ -24,12 +32,15 @@ _CONTROL = 3  # llama.cpp token type: special token such as <|im_start|>
 _USER_DEFINED = 4  # llama.cpp token type: added token matched whole, but not special
 
 
-def build_gguf_tokenizer(metadata: dict[str, Any], path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer described by ``metadata`` (a parsed GGUF header) of the file at ``path``."""
+def build_gguf_tokenizer(
+    metadata: dict[str, Any], path: str
+) -> GGUFTokenizer | PreTrainedTokenizerBase:
+    """The tokenizer described by ``metadata`` (a parsed GGUF header) of the file at ``path``:
+    a :class:`GGUFTokenizer` for GPT-2-style byte-level BPE, else transformers' own."""
     model = metadata.get("tokenizer.ggml.model")
     pre = metadata.get("tokenizer.ggml.pre")
     if model == "gpt2" and pre in _GPT2_REGEX_PRE_TYPES:
-        return _byte_level_bpe(metadata)
+        return GGUFTokenizer(*_byte_level_bpe(metadata))
     # Imported here: AutoTokenizer's import alone costs ~0.3 s the fast path does not need.
     from transformers import AutoTokenizer
 
@@ -51,7 +62,8 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _byte_level_bpe(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
+def _byte_level_bpe(metadata: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
+    """The backend tokenizer and the keyword arguments transformers' tokenizer takes."""
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types = metadata.get("tokenizer.ggml.token_type")
     token_types = [] if token_types is None else token_types.tolist()
@@ -112,4 +124,119 @@ def _byte_level_bpe(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
             kwargs[flag] = bool(metadata[f"tokenizer.ggml.{flag}"])
     if "tokenizer.chat_template" in metadata:
         kwargs["chat_template"] = metadata["tokenizer.chat_template"]
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    return backend, kwargs
+
+
+class GGUFTokenizer:
+    """A byte-level BPE tokenizer from GGUF metadata that encodes and decodes without
+    transformers, and builds ``transformers.PreTrainedTokenizerFast`` on first use of
+    anything else (:attr:`hf`; attribute access falls through to it).
+
+    The backend is prepared as transformers prepares its copy of ``tokenizer_object``
+    (``TokenizersBackend.__init__``: the named special tokens added as special tokens, the
+    BOS/EOS post-processor from ``add_bos_token``/``add_eos_token``, no truncation or
+    padding), so ``encode``/``decode`` give exactly what the transformers tokenizer gives
+    (tests/worker/test_loader.py compares both against transformers' own GGUF loader).
+    """
+
+    def __init__(self, backend: Tokenizer, hf_kwargs: dict[str, Any]) -> None:
+        self._hf_kwargs = hf_kwargs
+        self._hf: PreTrainedTokenizerFast | None = None
+        self._building = threading.Lock()
+        self.chat_template: str | None = hf_kwargs.get("chat_template")
+        named = {k: hf_kwargs.get(f"{k}_token") for k in ("bos", "eos", "unk", "pad")}
+        added = {str(t) for t in backend.get_added_tokens_decoder().values()}
+        missing = [t for t in named.values() if t is not None and t not in added]
+        if missing:  # transformers adds these as special tokens, so we do too
+            backend.add_tokens([AddedToken(t, special=True) for t in dict.fromkeys(missing)])
+        backend.no_truncation()
+        backend.no_padding()
+        add_bos = bool(hf_kwargs.get("add_bos_token")) and named["bos"] is not None
+        add_eos = bool(hf_kwargs.get("add_eos_token")) and named["eos"] is not None
+        if backend.post_processor is None or "add_bos_token" in hf_kwargs or (
+            "add_eos_token" in hf_kwargs
+        ):
+            backend.post_processor = _template_processing(backend, named, add_bos, add_eos)
+        self.backend_tokenizer = backend
+        self.bos_token, self.eos_token = named["bos"], named["eos"]
+        self.unk_token, self.pad_token = named["unk"], named["pad"]
+        ids = {k: (backend.token_to_id(t) if t is not None else None) for k, t in named.items()}
+        self.bos_token_id, self.eos_token_id = ids["bos"], ids["eos"]
+        self.unk_token_id, self.pad_token_id = ids["unk"], ids["pad"]
+
+    @property
+    def hf(self) -> PreTrainedTokenizerFast:
+        """The transformers tokenizer over the same backend (built once, thread-safe)."""
+        if self._hf is None:
+            with self._building:
+                if self._hf is None:
+                    from transformers import PreTrainedTokenizerFast
+
+                    self._hf = PreTrainedTokenizerFast(
+                        tokenizer_object=self.backend_tokenizer, **self._hf_kwargs
+                    )
+        return self._hf
+
+    def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of ``text`` (a str); other arguments go to transformers' ``encode``."""
+        if kwargs or not isinstance(text, str):
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs))
+        return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
+        """Text of a sequence of ids; batches, tensors and other options go to transformers'
+        ``decode`` (whose BPE path is the backend's decode with no clean-up)."""
+        if kwargs or not _is_id_sequence(token_ids):
+            return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return self.backend_tokenizer.decode(
+            [int(i) for i in token_ids], skip_special_tokens=skip_special_tokens
+        )
+
+    def __getstate__(self) -> dict[str, Any]:  # for Ray: the lock stays, transformers' is rebuilt
+        state = {k: v for k, v in self.__dict__.items() if k != "_building"}
+        state["_hf"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._building = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hf(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names not set above: everything else transformers offers.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __repr__(self) -> str:
+        return f"GGUFTokenizer(vocab_size={len(self)}, transformers built: {self._hf is not None})"
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The transformers tokenizer behind ``tokenizer`` (itself unless a GGUFTokenizer), for
+    libraries that check its class (llguidance) and for users (``LLM.get_tokenizer``)."""
+    return tokenizer.hf if isinstance(tokenizer, GGUFTokenizer) else tokenizer
+
+
+def _is_id_sequence(token_ids: Any) -> bool:
+    if isinstance(token_ids, int):
+        return False
+    return isinstance(token_ids, Sequence) and not isinstance(token_ids, str) and all(
+        isinstance(i, int) for i in token_ids
+    )
+
+
+def _template_processing(
+    backend: Tokenizer, named: dict[str, str | None], add_bos: bool, add_eos: bool
+) -> processors.TemplateProcessing:
+    """transformers' ``update_post_processor``: BOS/EOS around each sequence as asked."""
+    bos, eos = named["bos"], named["eos"]
+    single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
+    pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+    special = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)

@@ -20,6 +20,8 @@ from inflight.model.arch import LlamaArchConfig
 if TYPE_CHECKING:
     import transformers
 
+    from inflight.model.gguf_tokenizer import GGUFTokenizer
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MAGIC = b"GGUF"
 
@@ -30,7 +32,9 @@ class LoadedCheckpoint:
     # Hugging Face parameter names -> float32 tensors, linear weights as [out, in].
     # "lm_head.weight" is present only when the embeddings are not tied.
     weights: dict[str, torch.Tensor]
-    tokenizer: transformers.PreTrainedTokenizerBase
+    # transformers' tokenizer, or for GGUF byte-level BPE vocabularies a GGUFTokenizer (the
+    # same encode/decode without importing transformers; everything else through it).
+    tokenizer: transformers.PreTrainedTokenizerBase | GGUFTokenizer
     source: str  # the path loaded, for messages
     # GGUF files only: linear weights also kept in their quantised block format, by HF name.
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)

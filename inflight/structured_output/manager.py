@@ -191,8 +191,12 @@ class StructuredOutputManager:
         if self._ll_tokenizer is None:
             import llguidance.hf
 
+            from inflight.model.gguf_tokenizer import hf_tokenizer
+
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+                hf_tokenizer(self.tokenizer),
+                n_vocab=self.vocab_size,
+                eos_token=self.eos_token_ids or None,
             )
         return self._ll_tokenizer
 

@@ -190,6 +190,53 @@ def test_gguf_tokenizer_matches_transformers(smollm, smollm_path):
     assert ids[0] == smollm.tokenizer.convert_tokens_to_ids("<|im_start|>") and len(ids) == 3
 
 
+def test_gguf_tokenizer_encodes_and_decodes_without_transformers(smollm_path):
+    """Loading a GGUF file and the engine's encode/decode calls must not import transformers
+    (0.8-1.3 s of the start-up); asking for more builds the transformers tokenizer, which
+    gives the same ids and text, and survives pickling (Ray ships it to the router)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import pickle, sys\n"
+        "from inflight.model.loader import load_checkpoint\n"
+        f"tok = load_checkpoint({smollm_path!r}).tokenizer\n"
+        "ids = tok.encode('Hi <|im_start|>user\\n2+2? 東京 🚀<|im_end|>')\n"
+        "text = (tok.decode(ids), tok.decode(ids, skip_special_tokens=True))\n"
+        "ids2 = tok.encode('no specials', add_special_tokens=False)\n"
+        "facts = (len(tok), tok.eos_token_id, tok.bos_token_id, tok.chat_template is not None)\n"
+        "copy = pickle.loads(pickle.dumps(tok))\n"
+        "assert copy.encode('round trip') == tok.encode('round trip')\n"
+        "print('IMPORTED', 'transformers' in sys.modules)\n"
+        "print('RESULT', repr((ids, text, ids2, facts)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=600).stdout
+    assert "IMPORTED False" in out, out[-2000:]
+    ids, text, ids2, facts = eval(out.split("RESULT ", 1)[1])  # noqa: S307 (our own repr)
+    reference = _hf_gguf_tokenizer(smollm_path)
+    assert ids == reference.encode("Hi <|im_start|>user\n2+2? 東京 🚀<|im_end|>")
+    assert text == (reference.decode(ids), reference.decode(ids, skip_special_tokens=True))
+    assert ids2 == reference.encode("no specials", add_special_tokens=False)
+    assert facts == (len(reference), reference.eos_token_id, reference.bos_token_id, True)
+
+
+def test_hf_tokenizer_is_transformers_over_the_same_vocabulary(smollm):
+    from transformers import PreTrainedTokenizerFast
+
+    from inflight.model.gguf_tokenizer import GGUFTokenizer, hf_tokenizer
+
+    assert isinstance(smollm.tokenizer, GGUFTokenizer)
+    hf = hf_tokenizer(smollm.tokenizer)
+    assert isinstance(hf, PreTrainedTokenizerFast) and hf is smollm.tokenizer.hf
+    for text in SAMPLES:
+        assert hf.encode(text) == smollm.tokenizer.encode(text), text
+    # Batches and tensors go to transformers' own decode.
+    batch = [hf.encode(t) for t in SAMPLES[:3]]
+    assert smollm.tokenizer.decode(batch) == hf.decode(batch)
+    assert smollm.tokenizer.decode(torch.tensor(batch[0])) == hf.decode(batch[0])
+
+
 # --------------------------------------------------------- GGUF: files written by the test
 
 _GGUF_NAMES = {

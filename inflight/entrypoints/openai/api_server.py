@@ -71,6 +71,7 @@ from inflight.entrypoints.openai.serving_chat import (
 )
 from inflight.entrypoints.openai.serving_completions import create_completion
 from inflight.metrics.prometheus import PrometheusMetrics
+from inflight.model.gguf_tokenizer import hf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +330,9 @@ def run_server(
     access_log: bool = True,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown."""
+    # Chat templates and /tokenize need the transformers tokenizer: build it before
+    # /health says ready rather than in the first chat request (~1 s on a slow CPU).
+    hf_tokenizer(engine.tokenizer)
     app = build_app(engine, config)
     uv_config = uvicorn.Config(
         app,
