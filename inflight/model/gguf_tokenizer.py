@@ -137,13 +137,12 @@ class GGUFTokenizer:
     BOS/EOS post-processor from ``add_bos_token``/``add_eos_token``, no truncation or
     padding), so ``encode``/``decode`` give exactly what the transformers tokenizer gives
     (tests/worker/test_loader.py compares both against transformers' own GGUF loader).
+    Once the transformers tokenizer exists, everything goes through it, so what a user
+    changes on ``LLM.get_tokenizer()`` (a chat template, added tokens) reaches the engine,
+    as when both were one object; setting an attribute here sets it there.
     """
 
     def __init__(self, backend: Tokenizer, hf_kwargs: dict[str, Any]) -> None:
-        self._hf_kwargs = hf_kwargs
-        self._hf: PreTrainedTokenizerFast | None = None
-        self._building = threading.Lock()
-        self.chat_template: str | None = hf_kwargs.get("chat_template")
         named = {k: hf_kwargs.get(f"{k}_token") for k in ("bos", "eos", "unk", "pad")}
         added = {str(t) for t in backend.get_added_tokens_decoder().values()}
         missing = [t for t in named.values() if t is not None and t not in added]
@@ -157,12 +156,14 @@ class GGUFTokenizer:
             "add_eos_token" in hf_kwargs
         ):
             backend.post_processor = _template_processing(backend, named, add_bos, add_eos)
-        self.backend_tokenizer = backend
-        self.bos_token, self.eos_token = named["bos"], named["eos"]
-        self.unk_token, self.pad_token = named["unk"], named["pad"]
-        ids = {k: (backend.token_to_id(t) if t is not None else None) for k, t in named.items()}
-        self.bos_token_id, self.eos_token_id = ids["bos"], ids["eos"]
-        self.unk_token_id, self.pad_token_id = ids["unk"], ids["pad"]
+        ids = {f"{k}_token_id": (backend.token_to_id(t) if t is not None else None)
+               for k, t in named.items()}
+        # Set through __dict__: __setattr__ forwards public names to transformers.
+        self.__dict__.update(
+            _backend=backend, _hf_kwargs=hf_kwargs, _hf=None, _building=threading.Lock(),
+            _own={"chat_template": hf_kwargs.get("chat_template"),
+                  **{f"{k}_token": t for k, t in named.items()}, **ids},
+        )
 
     @property
     def hf(self) -> PreTrainedTokenizerFast:
@@ -172,46 +173,60 @@ class GGUFTokenizer:
                 if self._hf is None:
                     from transformers import PreTrainedTokenizerFast
 
-                    self._hf = PreTrainedTokenizerFast(
-                        tokenizer_object=self.backend_tokenizer, **self._hf_kwargs
+                    self.__dict__["_hf"] = PreTrainedTokenizerFast(
+                        tokenizer_object=self._backend, **self._hf_kwargs
                     )
         return self._hf
 
-    def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
-        """Token ids of ``text`` (a str); other arguments go to transformers' ``encode``."""
-        if kwargs or not isinstance(text, str):
-            return list(self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs))
-        return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    @property
+    def backend_tokenizer(self) -> Tokenizer:
+        return self._backend if self._hf is None else self._hf.backend_tokenizer
+
+    def encode(
+        self, text: Any, text_pair: Any = None, add_special_tokens: bool = True, **kwargs: Any
+    ) -> Any:
+        """Token ids of ``text`` (a str); a pair, other arguments, or a built transformers
+        tokenizer take transformers' ``encode``."""
+        if self._hf is not None or text_pair is not None or kwargs or not isinstance(text, str):
+            return self.hf.encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
-        """Text of a sequence of ids; batches, tensors and other options go to transformers'
-        ``decode`` (whose BPE path is the backend's decode with no clean-up)."""
-        if kwargs or not _is_id_sequence(token_ids):
+        """Text of a sequence of ids; batches, tensors, other options or a built
+        transformers tokenizer take transformers' ``decode`` (whose BPE path is the
+        backend's decode with no clean-up)."""
+        if self._hf is not None or kwargs or not _is_id_sequence(token_ids):
             return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
-        return self.backend_tokenizer.decode(
+        return self._backend.decode(
             [int(i) for i in token_ids], skip_special_tokens=skip_special_tokens
         )
 
-    def __getstate__(self) -> dict[str, Any]:  # for Ray: the lock stays, transformers' is rebuilt
-        state = {k: v for k, v in self.__dict__.items() if k != "_building"}
-        state["_hf"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._building = threading.Lock()
-
     def __len__(self) -> int:
-        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+        if self._hf is not None:
+            return len(self._hf)
+        return self._backend.get_vocab_size(with_added_tokens=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.hf(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        # Only reached for names not set above: everything else transformers offers.
+        # Only reached for names not found normally: the special tokens and chat template
+        # (ours until transformers' exists), then everything else transformers offers.
         if name.startswith("_"):
             raise AttributeError(name)
+        own = self.__dict__["_own"]
+        if self.__dict__["_hf"] is None and name in own:
+            return own[name]
         return getattr(self.hf, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.hf, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:  # for Ray: everything but the lock
+        return {k: v for k, v in self.__dict__.items() if k != "_building"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _building=threading.Lock())
 
     def __repr__(self) -> str:
         return f"GGUFTokenizer(vocab_size={len(self)}, transformers built: {self._hf is not None})"

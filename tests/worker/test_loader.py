@@ -237,6 +237,30 @@ def test_hf_tokenizer_is_transformers_over_the_same_vocabulary(smollm):
     assert smollm.tokenizer.decode(torch.tensor(batch[0])) == hf.decode(batch[0])
 
 
+def test_changes_through_the_transformers_tokenizer_reach_the_engine(smollm_path):
+    """``LLM.get_tokenizer()`` is transformers' tokenizer and the engine keeps the
+    GGUFTokenizer: what a user changes on the first (vLLM's way to chat with a base model
+    is setting its chat_template; added tokens) must reach the engine's encode and chat
+    rendering, and what is set on the engine's reaches transformers'."""
+    from inflight.entrypoints.chat_utils import ChatOptions, render_chat
+    from inflight.model.gguf_reader import read_gguf
+    from inflight.model.gguf_tokenizer import build_gguf_tokenizer, hf_tokenizer
+
+    ours = build_gguf_tokenizer(read_gguf(smollm_path).metadata, smollm_path)
+    hf = hf_tokenizer(ours)
+    hf.chat_template = "{% for m in messages %}USER SAYS: {{ m['content'] }}\n{% endfor %}"
+    rendered = render_chat(ours, [{"role": "user", "content": "Hi"}], ChatOptions())
+    assert rendered.prompt == "USER SAYS: Hi\n"
+    vocab = len(ours)
+    hf.add_tokens(["<my_tok>"])
+    assert ours.encode("a <my_tok> b") == hf.encode("a <my_tok> b")
+    assert vocab in ours.encode("a <my_tok> b") and len(ours) == len(hf) == vocab + 1
+    ours.chat_template = None
+    assert hf.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(ours, [{"role": "user", "content": "Hi"}], ChatOptions())
+
+
 # --------------------------------------------------------- GGUF: files written by the test
 
 _GGUF_NAMES = {
