@@ -69,7 +69,7 @@ def load_gguf(path: str) -> LoadedCheckpoint:
     # first.
     _load_decoders()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        decoded = pool.submit(dequantize_all, tensors)
+        decoded = pool.submit(decode_all, tensors)
         from inflight.model.gguf_tokenizer import build_gguf_tokenizer
 
         try:
@@ -77,10 +77,11 @@ def load_gguf(path: str) -> LoadedCheckpoint:
         except Exception:
             decoded.result()  # a weight that cannot be decoded is the first error to report
             raise
-        weights = dict(zip(names, decoded.result(), strict=True))
+        values, stored = decoded.result()
+        weights = dict(zip(names, values, strict=True))
     quantized = {
-        name: QuantizedWeight(int(t.ggml_type), _row_blocks(t))
-        for name, t in zip(names, tensors, strict=True)
+        name: QuantizedWeight(int(t.ggml_type), _row_blocks(t, raw))
+        for name, t, raw in zip(names, tensors, stored, strict=True)
         if t.ggml_type in BLOCK_MATMUL_TYPES and len(t.shape) == 2
     }
     return LoadedCheckpoint(
@@ -106,8 +107,11 @@ def _fusion_order(hf_name: str) -> tuple[str, str, int]:
 BLOCK_MATMUL_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
 
 
-def _row_blocks(tensor: GGUFTensor) -> torch.Tensor:
-    """The tensor's stored blocks as [rows, row_bytes] uint8, copied out of the file map."""
+def _row_blocks(tensor: GGUFTensor, stored: torch.Tensor | None) -> torch.Tensor:
+    """The tensor's stored blocks as [rows, row_bytes] uint8, out of the file map: the copy
+    decode_all made (a view into it), else a copy of its own."""
+    if stored is not None:
+        return stored.view(tensor.shape[0], -1)
     return torch.from_numpy(tensor.data.reshape(tensor.shape[0], -1).copy())
 
 
@@ -247,7 +251,17 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
 
 
 def dequantize_all(tensors: Sequence[GGUFTensor]) -> list[torch.Tensor]:
-    """Each tensor as float32 in torch order, never sharing memory with the file.
+    """Each tensor as float32 in torch order, never sharing memory with the file (see
+    :func:`decode_all`)."""
+    return decode_all(tensors)[0]
+
+
+def decode_all(
+    tensors: Sequence[GGUFTensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Each tensor as float32 in torch order, never sharing memory with the file, and for
+    the types decoded here its stored bytes (flat uint8, copied out of the file once for
+    decoding and kept, so the block kernels' weights need no second copy; None otherwise).
 
     F32/F16/BF16/Q8_0/Q4_0/Q4_1 are decoded with the C++ kernel or torch (bit-identical to
     ``gguf.quants.dequantize``, multi-threaded, ~2x faster single-threaded), all tensors of a
@@ -257,6 +271,7 @@ def dequantize_all(tensors: Sequence[GGUFTensor]) -> list[torch.Tensor]:
     package can decode go through it; anything else raises ValueError.
     """
     out: list[torch.Tensor | None] = [None] * len(tensors)
+    stored: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[QT, list[int]] = {}
     for i, tensor in enumerate(tensors):
         if tensor.ggml_type in _TORCH_DECODERS:
@@ -269,7 +284,10 @@ def dequantize_all(tensors: Sequence[GGUFTensor]) -> list[torch.Tensor]:
         sizes = [math.prod(tensors[i].shape) for i in indices]
         for i, part in zip(indices, flat.split(sizes), strict=True):
             out[i] = part.view(tensors[i].shape)
-    return out  # type: ignore[return-value]
+        nbytes = [tensors[i].data.size for i in indices]
+        for i, part in zip(indices, raw.reshape(-1).split(nbytes), strict=True):
+            stored[i] = part
+    return out, stored  # type: ignore[return-value]
 
 
 def _load_decoders() -> None:

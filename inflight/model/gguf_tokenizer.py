@@ -252,6 +252,8 @@ def _template_processing(
     """transformers' ``update_post_processor``: BOS/EOS around each sequence as asked."""
     bos, eos = named["bos"], named["eos"]
     single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
-    pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+    pair_bos = f" {bos}:1" if add_bos else ""
+    pair_eos = f" {eos}:1" if add_eos else ""
+    pair = f"{single}{pair_bos} $B:1{pair_eos}"
     special = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)

@@ -105,3 +105,32 @@ def test_bf16_dot_blocks_only_where_bf16_dots_pay(monkeypatch):
             assert gguf_bf16_dot(torch.float32, torch.device("cpu")) is False
     finally:
         cpu.bf16_dots_pay.cache_clear()
+
+
+def test_bf16_rounding_for_float32_compute_is_in_place_and_exact():
+    """``build_model(round_to=torch.bfloat16)`` for a float32 model (bf16 weights computed
+    in float32) rounds the caller's tensors in place, LLMEngine handing them over: every
+    parameter must equal ``w.to(bfloat16).float()`` of the loaded weight, bit for bit, the
+    fused q/k/v and gate/up included."""
+    fresh = load_checkpoint(default_model_path())  # its own: the tensors change
+    original = {name: w.clone() for name, w in fresh.weights.items()}
+    model = build_model(
+        fresh.arch, fresh.weights, torch.device("cpu"), torch.float32, 64,
+        round_to=torch.bfloat16,
+    )
+
+    def rounded(name: str) -> torch.Tensor:
+        return original[name].to(torch.bfloat16).float()
+
+    for name in original:
+        assert torch.equal(fresh.weights[name], rounded(name)), name
+    layer = model.layers[3]
+    p = "model.layers.3."
+    qkv = torch.cat([rounded(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+    gate_up = torch.cat([rounded(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
+    assert torch.equal(layer.mlp.down_proj.weight, rounded(p + "mlp.down_proj.weight"))
+    assert torch.equal(model.embed_tokens.weight, rounded("model.embed_tokens.weight"))
+    down = p + "mlp.down_proj.weight"
+    assert not torch.equal(rounded(down), original[down])  # the rounding did something
