@@ -43,6 +43,7 @@ from inflight.core.interface import RequestUpdate, SchedulerOutput
 from inflight.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler
+from inflight.engine import internal_runs
 from inflight.engine.detokenizer import IncrementalDetokenizer
 from inflight.engine.output_processor import (
     OutputProcessor,
@@ -169,7 +170,7 @@ class LLMEngine:
         self._trace_origin = time.monotonic()
         self._next_id = 0
         if config.model.quantization == "w8a8":
-            self._quantize_w8a8()
+            internal_runs.calibrate_w8a8(self)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -362,38 +363,12 @@ class LLMEngine:
         return self.runner.populate_kv_cache()
 
     def warm_up(self, num_prompt_tokens: int = 256, num_decode_steps: int = 4) -> float:
-        """Run one throwaway request (a prompt of ``num_prompt_tokens``, then
-        ``num_decode_steps`` decodes) so the one-off costs of the first forward passes
-        (weight packing, kernel loading, first allocations: seconds on CPU) are paid before
-        a client's first request, as vLLM's start-up dummy run does; then forget it: its
-        cached blocks, the prefix-cache counters, the step trace and the timings are reset.
-        Call only while no request is in flight. Returns the seconds it took."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("warm_up() needs an idle engine")
-        started = time.monotonic()
-        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
-        num_decode_steps = max(1, num_decode_steps)
-        length = max(1, min(num_prompt_tokens, self.max_model_len - num_decode_steps - 1,
-                            capacity - num_decode_steps))
-        params = SamplingParams(temperature=0.0, max_tokens=num_decode_steps, ignore_eos=True)
-        # Two prompts of different lengths: batched prefill and decode, as clients send.
-        self._run_internal("inflight-warmup", [
-            [1 + (index + i) % (self.vocab_size - 1) for i in range(size)]
-            for index, size in enumerate((length, max(1, length // 2)))
-        ], params)
-        self._forget_history()
-        return time.monotonic() - started
+        """Run one throwaway request so the first forward passes' one-off costs are paid
+        before a client's first request (see :func:`internal_runs.warm_up`); call only while
+        no request is in flight. Returns the seconds it took."""
+        return internal_runs.warm_up(self, num_prompt_tokens, num_decode_steps)
 
-    def _run_internal(
-        self, name: str, prompts: list[list[int]], params: SamplingParams
-    ) -> None:
-        """Add ``prompts`` as requests ``{name}-{i}`` and step until none is unfinished."""
-        for index, ids in enumerate(prompts):
-            self.add_request(f"{name}-{index}", {"prompt_token_ids": ids}, params)
-        while self.has_unfinished_requests():
-            self.step()
-
-    def _forget_history(self) -> None:
+    def forget_history(self) -> None:
         """Drop what internal requests left behind: cached blocks, counters, trace, timings."""
         self.kv_cache.reset_prefix_cache()
         self.kv_cache.prefix_stats = PrefixCacheStats()
@@ -401,25 +376,6 @@ class LLMEngine:
         self.step_trace.clear()
         self._trace_origin = time.monotonic()
         self.timings.reset()
-
-    def _quantize_w8a8(self) -> None:
-        """``quantization="w8a8"``: run the calibration texts through the dense model to
-        find each linear's input range per column, then switch the decoder layers to
-        smoothed int8 weights (model/w8a8.py)."""
-        from inflight.model import w8a8
-
-        model = self.runner.model
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        with w8a8.dense_only(model), w8a8.ActivationRanges(model) as ranges:
-            for index, text in enumerate(w8a8.CALIBRATION_TEXTS):
-                ids = list(self.tokenizer.encode(text))[: max(1, self.max_model_len - 2)]
-                # One text at a time, so its steps (and their rounding) do not depend on
-                # max_num_seqs; whole in one step unless the token budget is under ~50.
-                self._run_internal(f"inflight-calibration-{index}", [ids], params)
-        count = w8a8.quantize_linears(model, ranges.maxima)
-        self._forget_history()
-        logger.info("w8a8: %d linear layers in int8, smoothed from %d calibration texts",
-                    count, len(w8a8.CALIBRATION_TEXTS))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (nothing changed) while requests hold
