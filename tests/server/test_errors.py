@@ -228,6 +228,13 @@ def test_vllm_wording_for_prompts(tiny_server: ServerProcess) -> None:
     )
     assert error["message"].startswith("Token id 600 is out of vocabulary")
     assert "512" in error["message"]  # the tiny model's vocabulary size
+    # A negative id is out of vocabulary too, not a prompt of the wrong type.
+    for prompt in ([3, -5, 4], [[3, 4], [-1]]):
+        error = assert_openai_error(
+            post(tiny_server, "/v1/completions", ok_completion(prompt=prompt)), 400, "prompt"
+        )
+        assert error["message"].startswith("Token id -"), error["message"]
+        assert error["code"] == "invalid_value"
     for prompt in ("", []):
         error = assert_openai_error(
             post(tiny_server, "/v1/completions", ok_completion(prompt=prompt)), 400, "prompt"

@@ -74,10 +74,10 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     """An empty prompt or a token id outside the vocabulary is a 400 (vLLM's words)."""
     if not token_ids:
         raise bad_request("The decoder prompt cannot be empty", param)
-    top = max(token_ids)
-    if top >= vocab_size:
+    bad = next((i for i in token_ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
         raise bad_request(
-            f"Token id {top} is out of vocabulary (the vocabulary size is {vocab_size})",
+            f"Token id {bad} is out of vocabulary (the vocabulary size is {vocab_size})",
             param,
             "invalid_value",
         )

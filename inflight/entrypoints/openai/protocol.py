@@ -18,7 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+# Any ints: a negative id is out of vocabulary (params.check_prompt_ids says so), not a
+# prompt of the wrong type.
+TokenIds = list[int]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
