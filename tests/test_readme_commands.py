@@ -259,6 +259,12 @@ def test_readme_commands_run(workspace: Workspace) -> None:
     assert workspace.created  # the checks above really ran commands
 
 
+def test_speed_log_commands_run(workspace: Workspace) -> None:
+    """The measurement log (moved out of the README) keeps its commands working too."""
+    check_readme(ROOT / "docs" / "speed-log.md", workspace, peers=False)
+    assert workspace.created
+
+
 def test_peers_readme_commands(workspace: Workspace) -> None:
     check_readme(ROOT / "bench" / "peers" / "README.md", workspace, peers=True)
     peers = workspace.tmp / "peers_dir"
