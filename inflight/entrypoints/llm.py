@@ -8,6 +8,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from inflight.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchParams,
+    check_beam_search,
+)
 from inflight.engine.llm_engine import LLMEngine, PromptInput
 from inflight.engine.step_trace import StepTrace
 from inflight.entrypoints.chat_utils import ChatOptions, render_chat
@@ -99,6 +105,59 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's ``LLM.beam_search``; the algorithm is in
+        :mod:`inflight.beam_search`). Returns, per prompt, its best ``params.beam_width``
+        beams, best first; a beam's ``tokens`` and ``text`` include the prompt (as vLLM's
+        do). ``concurrency_limit`` searches that many prompts at a time (default: all).
+
+        Raises ``ValueError`` for a bad prompt or parameter before any work starts: a step
+        asks for ``2 * beam_width`` logprobs, so ``beam_width`` is at most half the
+        engine's ``max_logprobs`` (default 20)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (
+            not isinstance(concurrency_limit, int) or concurrency_limit < 1
+        ):
+            raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}")
+        engine = self.llm_engine
+        searches: list[tuple[BeamSearchInstance, dict[str, Any]]] = []
+        for prompt in _as_prompt_list(prompts):
+            _, token_ids = engine.tokenize_prompt(prompt)
+            check_beam_search(params, len(token_ids), engine.max_model_len, engine.config.max_logprobs)
+            salt = {"cache_salt": prompt["cache_salt"]} if isinstance(prompt, dict) and "cache_salt" in prompt else {}
+            instance = BeamSearchInstance(token_ids, params, engine.eos_token_ids, engine.max_model_len)
+            searches.append((instance, salt))
+        step = params.step_params()
+        limit = concurrency_limit or len(searches)
+        with tqdm(total=len(searches), desc="Beam search", disable=not use_tqdm) as bar:
+            for start in range(0, len(searches), limit):
+                group = searches[start:start + limit]
+                while any(not instance.done for instance, _ in group):
+                    # One engine call runs every live beam of the group for one token.
+                    requests: list[PromptInput] = [
+                        {"prompt_token_ids": tokens, **salt}  # type: ignore[misc]
+                        for instance, salt in group for tokens in instance.prompts()
+                    ]
+                    outputs = iter(self.generate(requests, step, use_tqdm=False))
+                    for instance, _ in group:
+                        if not instance.done:
+                            instance.advance([_step_logprobs(next(outputs)) for _ in instance.beams])
+                bar.update(len(group))
+        results = []
+        for instance, _ in searches:
+            best = instance.best()
+            for beam in best:
+                beam.text = engine.tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
+
     def _run(
         self, prompts: list[PromptInput], params: list[SamplingParams | None],
         priorities: list[int], use_tqdm: bool,
@@ -142,6 +201,14 @@ class LLM:
                 if pending:
                     feed()
         return [finished[i] for i in ids]
+
+
+def _step_logprobs(output: RequestOutput) -> dict[Any, Any]:
+    """One beam's step result: its top tokens' logprobs (or its error, raised)."""
+    completion = output.outputs[0]
+    if completion.finish_reason == "error" or not completion.logprobs:
+        raise RuntimeError(f"a beam search step failed: {completion.error or 'no logprobs'}")
+    return completion.logprobs[0]
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

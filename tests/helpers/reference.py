@@ -51,3 +51,58 @@ def assert_matches_reference(actual: list[int], reference: ReferenceOutput, labe
             )
             return
     assert len(actual) == len(expected), f"{label}: {len(actual)} tokens vs {len(expected)}"
+
+
+@dataclass
+class ReferenceBeam:
+    tokens: list[int]  # prompt + generated, as vLLM's BeamSearchSequence
+    cum_logprob: float
+    finished_by_eos: bool
+
+
+def hf_beam_search(
+    model, prompt_token_ids: list[int], beam_width: int, max_tokens: int,
+    eos_token_ids: set[int], length_penalty: float = 1.0, ignore_eos: bool = False,
+) -> tuple[list[ReferenceBeam], float]:
+    """vLLM's beam search (``LLM.beam_search``) written out plainly on a transformers model:
+    every step recomputes every live beam from scratch in float64 log-softmax, takes each
+    beam's top ``2 * beam_width`` tokens, sends EOS candidates to the finished list and
+    keeps the best ``beam_width`` others; the result ranks finished and live beams by
+    ``cum_logprob / len(tokens) ** length_penalty`` (a final EOS not counted).
+
+    Returns the best ``beam_width`` beams and the smallest score margin met at any cut
+    (a margin below float32 noise makes the comparison with an engine meaningless)."""
+    import torch
+
+    def score(beam: ReferenceBeam) -> float:
+        length = len(beam.tokens) - (1 if beam.finished_by_eos else 0)
+        return beam.cum_logprob / length**length_penalty
+
+    live = [ReferenceBeam(list(prompt_token_ids), 0.0, False)]
+    finished: list[ReferenceBeam] = []
+    margin = float("inf")
+    for _ in range(max_tokens):
+        if not live:
+            break
+        candidates = []
+        for beam in live:
+            with torch.no_grad():
+                logits = model(torch.tensor([beam.tokens])).logits[0, -1].double()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(logprobs, 2 * beam_width)
+            for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                child = ReferenceBeam(beam.tokens + [token], beam.cum_logprob + value, False)
+                if token in eos_token_ids and not ignore_eos:
+                    child.finished_by_eos = True
+                    finished.append(child)
+                else:
+                    candidates.append(child)
+        candidates.sort(key=lambda b: b.cum_logprob, reverse=True)
+        if len(candidates) > beam_width:
+            margin = min(margin, candidates[beam_width - 1].cum_logprob
+                         - candidates[beam_width].cum_logprob)
+        live = candidates[:beam_width]
+    ranked = sorted(finished + live, key=score, reverse=True)
+    scores = [score(b) for b in ranked]
+    margin = min([margin] + [a - b for a, b in zip(scores, scores[1:beam_width + 1], strict=False)])
+    return ranked[:beam_width], margin
