@@ -23,6 +23,7 @@ torch), so the offline driver (``LLM.beam_search``) and the server's async drive
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -85,7 +86,7 @@ def check_beam_search(
     prompt must leave room for one token."""
     if 2 * params.beam_width > max_logprobs:
         raise InvalidRequestError(
-            f"beam_width {params.beam_width} needs {2 * params.beam_width} logprobs a step, "
+            f"a beam search of {params.beam_width} beams needs {2 * params.beam_width} logprobs a step, "
             f"more than max_logprobs={max_logprobs} (start the engine with a larger "
             "max_logprobs)", "beam_width",
         )
@@ -140,11 +141,14 @@ class BeamSearchInstance:
 
     def __init__(
         self, prompt_token_ids: list[int], params: BeamSearchParams,
-        eos_token_ids: frozenset[int] | set[int], max_len: int,
+        eos_token_ids: Sequence[int], max_len: int,
     ) -> None:
         self.prompt_token_ids = list(prompt_token_ids)
         self.prompt_len = len(prompt_token_ids)
         self.params = params
+        # The first is the primary EOS (stop_reason None); others report themselves, as a
+        # request's extra EOS ids do.
+        self.primary_eos = eos_token_ids[0] if eos_token_ids else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_len = max_len
         self.beams = [BeamSearchSequence(tokens=list(prompt_token_ids))]
@@ -172,7 +176,8 @@ class BeamSearchInstance:
                     cum_logprob=beam.cum_logprob + logprob.logprob,
                 )
                 if token_id in self.eos_token_ids and not self.params.ignore_eos:
-                    child.finish_reason, child.stop_reason = "stop", None
+                    child.finish_reason = "stop"
+                    child.stop_reason = None if token_id == self.primary_eos else token_id
                     self.completed.append(child)
                 else:
                     candidates.append(child)

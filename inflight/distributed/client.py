@@ -178,6 +178,14 @@ class DataParallelEngineClient:
         return self._info.vocab_size
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._info.eos_token_ids
+
+    @property
+    def max_logprobs(self) -> int:
+        return self._info.max_logprobs
+
+    @property
     def model_path(self) -> str:
         return self._info.model_path
 

@@ -70,6 +70,8 @@ class ReplicaInfo:
 
     max_model_len: int
     vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_logprobs: int
     model_path: str
     block_size: int
     enable_prefix_caching: bool
@@ -106,6 +108,8 @@ class EngineReplica:
         return ReplicaInfo(
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
+            eos_token_ids=engine.eos_token_ids,
+            max_logprobs=engine.max_logprobs,
             model_path=engine.model_path,
             block_size=cache.block_size,
             enable_prefix_caching=cache.enable_prefix_caching,

@@ -145,6 +145,14 @@ class AsyncLLMEngine(EngineLoop):
         return self._engine.vocab_size
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._engine.eos_token_ids
+
+    @property
+    def max_logprobs(self) -> int:
+        return self._engine.config.max_logprobs
+
+    @property
     def model_path(self) -> str:
         return self._engine.model_path
 

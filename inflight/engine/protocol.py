@@ -32,6 +32,14 @@ class EngineClient(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's EOS ids, the primary one first."""
+        ...
+
+    @property
+    def max_logprobs(self) -> int: ...
+
+    @property
     def model_path(self) -> str: ...
 
     @property

@@ -26,7 +26,7 @@ def step(**logprobs: float) -> dict[int, Logprob]:
 def search(**options) -> BeamSearchInstance:
     max_len = options.pop("max_len", 100)
     params = BeamSearchParams(beam_width=2, max_tokens=options.pop("max_tokens", 3), **options)
-    return BeamSearchInstance(PROMPT, params, {EOS}, max_len=max_len)
+    return BeamSearchInstance(PROMPT, params, (EOS,), max_len=max_len)
 
 
 def test_eos_candidates_finish_and_the_best_others_live() -> None:

@@ -40,6 +40,8 @@ def check_supported(request: GenerationRequest) -> None:
         )
     refuse_legacy_guided_fields(request)
     refuse_unsupported(request, table)
+    if not request.use_beam_search and request.length_penalty != 1.0:
+        raise bad_request("length_penalty only applies with use_beam_search", "length_penalty")
 
 
 def max_tokens_of(request: GenerationRequest) -> int | None:

@@ -57,6 +57,7 @@ from inflight.entrypoints.openai.serving import (
     stream_error_event,
     until_disconnect,
 )
+from inflight.entrypoints.openai.serving_beam_search import beam_search_streams
 from inflight.entrypoints.openai.structured import structured_outputs_of
 from inflight.entrypoints.openai.tool_calls import (
     FunctionTool,
@@ -113,17 +114,24 @@ async def _serve(
     )
     params = sampling_params(request, max_tokens, constraint)
     request_id = f"chatcmpl-{request.request_id}"
-    (stream,) = await add_requests(
-        state.engine,
-        request_id,
-        [(None, token_ids)],
-        params,
-        request.priority,
-        arrival_time,
-        request.cache_salt,
-        logprobs_param="top_logprobs",
-        request_timeout=request.request_timeout,
-    )
+    stream: RequestStream
+    if request.use_beam_search:
+        (stream,) = beam_search_streams(  # type: ignore[assignment]  # they read alike
+            state.engine, request, request_id, [(None, token_ids)], params, max_tokens,
+            arrival_time,
+        )
+    else:
+        (stream,) = await add_requests(
+            state.engine,
+            request_id,
+            [(None, token_ids)],
+            params,
+            request.priority,
+            arrival_time,
+            request.cache_salt,
+            logprobs_param="top_logprobs",
+            request_timeout=request.request_timeout,
+        )
     tokenizer = state.engine.tokenizer
     reply = _reply(request, request_id, model, rendered, token_ids, params.n, tools, tool_choice)
     reply.decode = lambda token_id: str(tokenizer.decode([token_id]))

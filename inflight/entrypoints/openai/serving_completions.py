@@ -61,6 +61,7 @@ from inflight.entrypoints.openai.serving import (
     stream_error_event,
     until_disconnect,
 )
+from inflight.entrypoints.openai.serving_beam_search import beam_search_streams
 from inflight.entrypoints.openai.structured import structured_outputs_of
 from inflight.outputs import PromptLogprobs
 
@@ -81,16 +82,22 @@ async def _serve(state: ServerState, request: CompletionRequest, arrival_time: f
     constraint = structured_outputs_of(request.response_format, request.structured_outputs)
     params = sampling_params(request, request.max_tokens, constraint)
     request_id = f"cmpl-{request.request_id}"
-    streams = await add_requests(
-        state.engine,
-        request_id,
-        prompts,
-        params,
-        request.priority,
-        arrival_time,
-        request.cache_salt,
-        request_timeout=request.request_timeout,
-    )
+    streams: list[RequestStream]
+    if request.use_beam_search:
+        streams = beam_search_streams(  # type: ignore[assignment]  # they read alike
+            state.engine, request, request_id, prompts, params, request.max_tokens, arrival_time
+        )
+    else:
+        streams = await add_requests(
+            state.engine,
+            request_id,
+            prompts,
+            params,
+            request.priority,
+            arrival_time,
+            request.cache_salt,
+            request_timeout=request.request_timeout,
+        )
     try:
         echoes = await off_loop(_echoes, state, prompts) if request.echo else [""] * len(prompts)
     except BaseException:
