@@ -10,8 +10,11 @@ import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from server_harness import API_KEY, CHAT_TEMPLATE, ServerProcess
+
+from inflight import LLM
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +53,15 @@ def tiny_server(tiny_llama_dir: Path, start_server: Callable[..., ServerProcess]
         "--max-num-seqs",
         "32",
     )
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: ServerProcess) -> openai.OpenAI:
+    """The official client on the shared tiny-model server."""
+    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path) -> LLM:
+    """The same tiny model offline: what the server's answers must equal."""
+    return LLM(str(tiny_llama_dir))

@@ -5,27 +5,15 @@ whole; fields a beam search cannot honour are 400s that name them."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from server_harness import API_KEY, ServerProcess
 
 from inflight import LLM, BeamSearchParams
 
 PROMPT = "w10 w11 w12 w13 w14 w15"
 BEAM = {"use_beam_search": True, "return_token_ids": True}
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir))
 
 
 def extra(choice: Any, name: str) -> Any:

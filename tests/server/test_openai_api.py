@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import httpx
 import openai
@@ -13,16 +12,6 @@ from server_harness import API_KEY, CHAT_TEMPLATE, ServerProcess
 from inflight import LLM, SamplingParams
 
 PROMPTS = ["w3 w4 w5", "w10 w11 w12 w13 w14 w15"]
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir))
 
 
 def greedy(max_tokens: int, **extra: object) -> SamplingParams:

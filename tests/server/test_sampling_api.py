@@ -5,7 +5,6 @@ documented shapes; bad values must be 400s in OpenAI's error shape naming the fi
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,16 +18,6 @@ PROMPT = "w10 w11 w12 w13 w14 w15"
 MESSAGES: list[Any] = [{"role": "user", "content": "w3 w4 w5"}]
 VOCAB_SIZE = 512  # the tiny model's
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir))
 
 
 def params(max_tokens: int, **extra: Any) -> SamplingParams:
