@@ -37,7 +37,7 @@ AddRequests = Callable[
 # SamplingParams fields a beam search honours; every other must keep its default.
 _HONOURED = {
     "n", "temperature", "max_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens", "logprobs", "detokenize", "spaces_between_special_tokens",
+    "skip_special_tokens", "logprobs", "detokenize",
 }
 # The request field that sets each refused SamplingParams field, and what to call it.
 _REQUEST_FIELD = {
