@@ -19,6 +19,8 @@ from typing import Any
 
 # Tokens of context decoded before the first output token, so its leading space is right.
 _PROMPT_CONTEXT = 5
+# The most tokens an incomplete trailing UTF-8 sequence (at most 3 bytes) can span.
+_MAX_PARTIAL_TOKENS = 3
 
 
 class IncrementalDetokenizer:
@@ -62,12 +64,19 @@ class IncrementalDetokenizer:
             return
         self._ids.extend(token_ids)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        # A trailing U+FFFD means an incomplete UTF-8 sequence: wait for more tokens.
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+        # A trailing U+FFFD means an incomplete UTF-8 sequence: the tokens that carry its
+        # first bytes wait for more. Each token adds at least one byte and an incomplete
+        # sequence has at most three, so at most the last three tokens wait; the text of
+        # the tokens before them is taken now (a request may end here: its text stops at
+        # the last whole character, as vLLM's).
+        lowest = max(self._read_offset + 1, len(self._ids) - _MAX_PARTIAL_TOKENS)
+        for end in range(len(self._ids), lowest - 1, -1):
+            full = self._decode(self._ids[self._prefix_offset : end])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix) :]
+                self._prefix_offset = self._read_offset
+                self._read_offset = end
+                return
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

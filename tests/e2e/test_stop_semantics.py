@@ -284,3 +284,25 @@ def test_issue_chat_eos_text_is_left_out(smollm: LLM, skip: bool) -> None:
                               include_stop_str_in_output=True)
     with_eos = smollm.chat(messages, included, use_tqdm=False)[0].outputs[0].text
     assert with_eos == out.text + ("" if skip else "<|im_end|>")
+
+
+# ---------------------------------------------------------------- multi-byte characters
+
+
+@pytest.mark.parametrize("prompt", ["Write the emoji for a smile:", "日本の首都は"])
+def test_text_cut_inside_a_character_keeps_every_whole_one(smollm: LLM, prompt: str) -> None:
+    """max_tokens may end a request between the tokens of one emoji or CJK character; its
+    text is then every whole character (the tokenizer's decode less the trailing U+FFFD),
+    whole or streamed, with or without stop strings (which decode token by token)."""
+    tokenizer = smollm.get_tokenizer()
+    cut_inside = 0
+    for max_tokens in range(1, 13):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        out = generate(smollm, params, prompt)
+        decoded = tokenizer.decode(out.token_ids)
+        cut_inside += decoded.endswith("\ufffd")
+        assert out.text == decoded.rstrip("\ufffd"), max_tokens
+        with_stop = SamplingParams(temperature=0, max_tokens=max_tokens, stop=["never seen"])
+        assert generate(smollm, with_stop, prompt).text == out.text
+        assert streamed_text(smollm, params, prompt) == out.text
+    assert cut_inside >= 3  # the prompts really do cut characters
