@@ -203,9 +203,11 @@ def _apply_top_p_min_p(
     if any(p < 1.0 for p in top_p):
         p_tensor = torch.tensor(top_p, device=probs.device).unsqueeze(1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep a token if the mass strictly before it is below top_p (the first always stays)
+        # keep a token if the mass strictly before it is below top_p; the most likely
+        # always stays, even for a top_p that rounds to 0 in float32 (e.g. 1e-300)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= p_tensor
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if any(p > 0.0 for p in min_p):

@@ -72,6 +72,15 @@ def test_top_p_keeps_smallest_nucleus():
     assert tokens == {5, 0}
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-8])
+def test_a_top_p_near_zero_keeps_the_most_likely_token(top_p):
+    # 1e-300 and 1e-45 round to 0 in float32; the nucleus still holds the best token.
+    sampler = Sampler(torch.device("cpu"))
+    out = sampler.sample(LOGITS.repeat(50, 1), [f"r{i}" for i in range(50)],
+                         [SamplingParams(temperature=1.0, top_p=top_p)] * 50)
+    assert not out.failed and set(out.token_ids) == {5}
+
+
 def test_min_p_drops_unlikely_tokens():
     # min_p=0.3 keeps tokens with p >= 0.3 * p_max: tokens 5 and 0 (0.23/0.63 = 0.37)
     tokens = set(sample_many(SamplingParams(temperature=1.0, min_p=0.3)).tolist())
