@@ -277,26 +277,52 @@ class LLMEngine:
             assert limit is not None
             raise EngineOverloadedError(self.scheduler.num_waiting, limit)
 
-    def _add_one(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams,
-        arrival_time: float | None, priority: int, stream: bool,
+    def check_request(
+        self, prompt: PromptInput, params: SamplingParams | None = None, priority: int = 0,
     ) -> None:
+        """Raise as :meth:`add_request` would for a bad request, adding nothing (the
+        waiting-room limit aside, which depends on the moment). ``LLM.generate`` checks a
+        whole batch this way before any of it runs."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        one = child_params(params, 0) if params.n > 1 else params
+        self._build_request("\x00check", prompt, one, None, priority)
+
+    def _build_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams,
+        arrival_time: float | None, priority: int,
+    ) -> tuple[Request, str | None]:
+        """The checked request and its prompt text; raises ValueError, changing nothing."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            # vLLM's rule: a priority that would be ignored is an error, not a no-op.
+            raise InvalidRequestError(
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(scheduling_policy='priority')", "priority",
+            )
         if params.structured_outputs is not None:
             self.structured_output.validate(params.structured_outputs)
         check_token_options(params, self.vocab_size, self.config.max_logprobs)
         if params.bad_words and not params._bad_words_token_ids:
             params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         text, token_ids = self.tokenize_prompt(prompt)
-        cache_salt = cache_salt_of(prompt)
-        now = time.monotonic()
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_ids=self.eos_token_ids,
-            arrival_time=now if arrival_time is None else arrival_time,
-            priority=priority, max_model_len=self.max_model_len, cache_salt=cache_salt,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority, max_model_len=self.max_model_len, cache_salt=cache_salt_of(prompt),
         )
+        self.scheduler.check_admissible(request)
+        return request, text
+
+    def _add_one(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams,
+        arrival_time: float | None, priority: int, stream: bool,
+    ) -> None:
+        request, text = self._build_request(request_id, prompt, params, arrival_time, priority)
+        token_ids = request.prompt_token_ids
         self.scheduler.add_request(request)
         if params.structured_outputs is not None:
             self.structured_output.add_request(request_id, params.structured_outputs)

@@ -169,37 +169,44 @@ class LLM:
         without it, all are queued at once. A request the engine refuses as bad aborts
         the ones already added and raises."""
         engine = self.llm_engine
-        # Tokenize everything first, so a bad prompt rejects the call before any work.
-        tokenized = [engine.tokenize_prompt(p) for p in prompts]
-        pending = deque(zip(prompts, tokenized, params, priorities, strict=True))
+        # Check everything first (tokens, options, lengths), so a bad request rejects the
+        # call before any work, even when max_waiting_requests feeds the rest later.
+        checked = []
+        for prompt, p, prio in zip(prompts, params, priorities, strict=True):
+            text, token_ids = engine.tokenize_prompt(prompt)
+            request: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
+            if isinstance(prompt, dict) and "cache_salt" in prompt:
+                request["cache_salt"] = prompt["cache_salt"]
+            engine.check_request(request, p, prio)  # type: ignore[arg-type]
+            checked.append((request, p, prio))
+        pending = deque(checked)
         ids: list[str] = []
         wanted: set[str] = set()
 
         def feed() -> None:
-            try:
-                while pending and engine.has_waiting_room:
-                    original, (text, token_ids), p, prio = pending.popleft()
-                    request_id = engine.new_request_id()
-                    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
-                    if isinstance(original, dict) and "cache_salt" in original:
-                        prompt["cache_salt"] = original["cache_salt"]
-                    engine.add_request(request_id, prompt, p, priority=prio)
-                    ids.append(request_id)
-                    wanted.add(request_id)
-            except Exception:
-                engine.abort_request(ids)
-                raise
+            while pending and engine.has_waiting_room:
+                request, p, prio = pending.popleft()
+                request_id = engine.new_request_id()
+                engine.add_request(request_id, request, p, priority=prio)  # type: ignore[arg-type]
+                ids.append(request_id)
+                wanted.add(request_id)
 
-        feed()
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while len(finished) < len(prompts):
-                for output in engine.step():
-                    if output.finished and output.request_id in wanted:
-                        finished[output.request_id] = output
-                        bar.update(1)
-                if pending:
-                    feed()
+        try:
+            feed()
+            with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while len(finished) < len(prompts):
+                    for output in engine.step():
+                        if output.finished and output.request_id in wanted:
+                            finished[output.request_id] = output
+                            bar.update(1)
+                    if pending:
+                        feed()
+        except BaseException:
+            # An error or an interrupt (Ctrl-C): this call's requests must not linger in
+            # the engine and run ahead of the next call's.
+            engine.abort_request([i for i in ids if i not in finished])
+            raise
         return [finished[i] for i in ids]
 
 

@@ -78,6 +78,57 @@ def test_generate_rejects_whole_call_without_running_any(llm, expected):
 
 
 @pytest.mark.parametrize(
+    ("last_prompt", "last", "message"),
+    [
+        ([5, 6], SamplingParams(max_tokens=4, logprobs=30), "max allowed: 20"),
+        ([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[10**6]), "allowed_token_ids"),
+        ([5, 6], SamplingParams(max_tokens=4, logit_bias={10**6: 1.0}), "logit_bias"),
+        ([5] * 200, GREEDY, "maximum model length of 128"),
+    ],
+    ids=["logprobs over max_logprobs", "allowed id out of vocabulary",
+         "bias id out of vocabulary", "prompt over max_model_len"],
+)
+def test_a_fed_batch_is_checked_whole_before_any_work(tiny_llama_dir, last_prompt, last, message):
+    """With max_waiting_requests the call feeds its prompts as room frees; a bad one at
+    the end must still fail the call before the first step, not after the others ran."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, max_num_seqs=2, max_waiting_requests=1,
+              record_trace=True)
+    prompts = [{"prompt_token_ids": p} for p in [*GOOD_PROMPTS, last_prompt]]
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, [GREEDY] * len(GOOD_PROMPTS) + [last], use_tqdm=False)
+    assert llm.step_trace.records == []  # nothing ran
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_priority_is_refused_unless_priority_scheduling(tiny_llama_dir, llm):
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate([[5, 6]], GREEDY, priority=[3], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    ranked = LLM(str(tiny_llama_dir), max_model_len=128, scheduling_policy="priority")
+    out = ranked.generate([[5, 6]], GREEDY, priority=[3], use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_an_interrupted_call_leaves_nothing_behind(llm, expected, monkeypatch):
+    engine = llm.llm_engine
+    real_step, calls = engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": p} for p in GOOD_PROMPTS], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()
+    outs = llm.generate([{"prompt_token_ids": p} for p in GOOD_PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize(
     "prompts, params, message",
     [
         (None, GREEDY, "prompts must be .* got NoneType"),

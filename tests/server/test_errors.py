@@ -284,3 +284,16 @@ def test_dtype_float16_refused_at_start_up(tiny_llama_dir: Any) -> None:
 
     with pytest.raises(ValueError, match="float16"):
         LLM(str(tiny_llama_dir), dtype="float16", device="cpu")
+
+
+def test_priority_without_priority_scheduling_is_refused(tiny_server: ServerProcess) -> None:
+    # vLLM's rule: the shared server schedules fcfs, where a priority would be ignored.
+    for path, body in (
+        ("/v1/completions", ok_completion(priority=3)),
+        ("/v1/chat/completions",
+         {"model": "tiny", "messages": [{"role": "user", "content": "w3"}], "priority": -1}),
+    ):
+        response = post(tiny_server, path, body)
+        assert_openai_error(response, 400, "priority")
+        assert "priority scheduling is not enabled" in response.json()["error"]["message"]
+    assert post(tiny_server, "/v1/completions", ok_completion(priority=0)).status_code == 200
