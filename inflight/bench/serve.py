@@ -46,6 +46,7 @@ from inflight.bench.serve_workload import (
     synthetic_workload,
     turn_prompt,
 )
+from inflight.bench.workloads import check_rate, rate_arg
 
 __all__ = [
     "BenchRequest",
@@ -270,11 +271,11 @@ def _plan(requests: list[BenchRequest], base_url: str, endpoint: str) -> str:
     )
 
 
-def _rate(value: str) -> float:
-    rate = float(value)
-    if not rate > 0:
-        raise argparse.ArgumentTypeError("the request rate must be positive (or inf)")
-    return rate
+def _rate_or_inf(value: str) -> float:
+    try:
+        return check_rate(float(value), allow_inf=True)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -316,7 +317,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     load.add_argument(
         "--rate",
-        type=_rate,
+        type=rate_arg,
         default=None,
         help="arrival rate (req/s) built into the 'online' workload's arrival_s "
         "(default: 4.0, as in bench throughput)",
@@ -338,7 +339,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--random-token-high", type=int, default=30000)
     load.add_argument(
         "--request-rate",
-        type=_rate,
+        type=_rate_or_inf,
         default=None,
         help="Poisson arrivals at this rate (req/s), or inf for all at once; "
         "default: the workload's arrival_s, else inf",

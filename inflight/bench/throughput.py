@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inflight.bench.workloads import rate_arg
+
 # Workload-specific engine defaults, applied only where the user gave no value: the
 # source document's example is about a batch of 8 slots.
 WORKLOAD_PRESETS: dict[str, dict[str, Any]] = {"seed8": {"max_num_seqs": 8}}
@@ -50,7 +52,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     source.add_argument(
         "--rate",
-        type=float,
+        type=rate_arg,
         default=None,
         help="arrival rate of the 'online' workload (only its token ids matter; default 4.0)",
     )

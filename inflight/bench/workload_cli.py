@@ -11,6 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from inflight.bench.workloads import rate_arg
+
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
     from inflight.bench.workloads import DEFAULT_ONLINE_RATE, NAMED_WORKLOADS
@@ -25,7 +27,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("name", choices=NAMED_WORKLOADS, help="the workload")
     parser.add_argument(
         "--rate",
-        type=float,
+        type=rate_arg,
         default=DEFAULT_ONLINE_RATE,
         help="arrival rate (requests/s) of the 'online' workload",
     )

@@ -33,6 +33,7 @@ dependent requests, so independent workloads keep ``make_workload.py``'s format.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -134,8 +135,28 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(LOW_ID, HIGH_ID) for _ in range(n)]
 
 
+def check_rate(rate: float, allow_inf: bool = False) -> float:
+    """A request rate in req/s: positive, and finite unless ``allow_inf`` (all at once);
+    raises ValueError otherwise (NaN included)."""
+    if not rate > 0 or (math.isinf(rate) and not allow_inf):
+        bound = "positive" if allow_inf else "positive and finite"
+        raise ValueError(f"the request rate must be {bound} (req/s), got {rate}")
+    return rate
+
+
+def rate_arg(value: str) -> float:
+    """argparse type for ``--rate``: a positive, finite request rate."""
+    try:
+        return check_rate(float(value))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def mixed(n: int = 200, seed: int = 0, rate: float | None = None) -> Workload:
-    """Heterogeneous lengths: input log-uniform 32..1024, output log-uniform 16..512."""
+    """Heterogeneous lengths: input log-uniform 32..1024, output log-uniform 16..512; with
+    ``rate``, Poisson arrivals at that many requests per second (the ``online`` workload)."""
+    if rate is not None:
+        check_rate(rate)
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(n):
@@ -315,7 +336,7 @@ def named(name: str, rate: float | None = None) -> Workload:
     if name == "mixed":
         return mixed()
     if name == "online":
-        return online(rate or DEFAULT_ONLINE_RATE)
+        return online(DEFAULT_ONLINE_RATE if rate is None else rate)
     if name == "single":
         return single()
     if name == "shared-prefix":

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from inflight.bench.workloads import rate_arg
 from inflight.config import BATCHING_MODES, DEFAULT_BLOCK_SIZE, SCHEDULING_POLICIES
 
 DEFAULT_OUTPUT_DIR = "planner-results"
@@ -137,7 +138,7 @@ def build_simulate_parser(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--workload", required=True,
                         help="seed8, mixed, online, or a JSONL file (id, prompt_token_ids, "
                         "max_tokens, arrival_s); seed8 defaults to --max-num-seqs 8")
-    source.add_argument("--request-rate", "--rate", dest="request_rate", type=float,
+    source.add_argument("--request-rate", "--rate", dest="request_rate", type=rate_arg,
                         default=None,
                         help="arrival rate in req/s (online: its rate; other workloads: "
                         "Poisson arrivals); default: the workload's own arrival_s")

@@ -53,8 +53,7 @@ class WorkloadSpec:
 
 def poisson_arrivals(workload: Workload, rate: float, seed: int = 0) -> Workload:
     """The same requests with Poisson arrivals at ``rate`` req/s, the first at time 0."""
-    if not rate > 0:
-        raise ValueError(f"request_rate must be positive, got {rate}")
+    workloads.check_rate(rate)
     rng = random.Random(seed)
     t, out = 0.0, []
     for r in workload.requests:

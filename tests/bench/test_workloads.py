@@ -67,3 +67,30 @@ def test_bad_workloads_are_rejected(tmp_path: Path) -> None:
     bad.write_text('{"prompt_token_ids": [1, 2]}\n')
     with pytest.raises(ValueError, match="max_tokens"):
         workloads.resolve(str(bad))
+
+
+@pytest.mark.parametrize("rate", [float("nan"), -1.0, 0.0, float("inf")])
+def test_a_request_rate_must_be_positive_and_finite(rate: float) -> None:
+    with pytest.raises(ValueError, match="request rate must be positive"):
+        workloads.mixed(rate=rate)
+    with pytest.raises(ValueError, match="request rate must be positive"):
+        workloads.named("online", rate)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--workload", "online", "--request-rate", "nan", "--num-prompts", "5"],
+        ["simulate", "--workload", "online", "--request-rate", "-1", "--num-prompts", "5"],
+        ["bench", "throughput", "--workload", "online", "--rate", "0", "--dry-run"],
+        ["bench", "workload", "online", "--rate", "inf", "-o", "unused.jsonl"],
+        ["bench", "serve", "--request-rate", "nan", "--dry-run"],
+    ],
+)
+def test_bad_rates_stop_the_cli_before_it_runs(argv: list[str], capsys) -> None:
+    from inflight.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "request rate must be positive" in capsys.readouterr().err
