@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import re
 from dataclasses import dataclass
 from numbers import Integral
 
@@ -168,6 +170,15 @@ class ModelConfig:
     quantization: str | None = None
 
     def __post_init__(self) -> None:
+        _require_types(self, ("seed", "max_model_len"))
+        _require(
+            -(2**63) <= self.seed < 2**64,
+            f"seed must be in [-2**63, 2**64) (torch's range), got {self.seed}",
+        )
+        _require(
+            isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+            f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
+        )
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}",
@@ -202,6 +213,7 @@ class EngineConfig:
     max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
+        _require_types(self, ("max_logprobs", "max_waiting_requests"), ("record_trace",))
         _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
         _require(
             self.max_waiting_requests is None or self.max_waiting_requests >= 1,
@@ -215,7 +227,7 @@ def make_engine_config(
     *,
     dtype: str = "auto",
     device: str = "auto",
-    seed: int = 0,
+    seed: int | None = 0,
     max_model_len: int | None = None,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     max_num_batched_tokens: int | None = None,
@@ -224,7 +236,7 @@ def make_engine_config(
     batching: str = "continuous",
     block_size: int = DEFAULT_BLOCK_SIZE,
     num_kv_blocks: int | None = None,
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+    kv_cache_memory_bytes: int | None = None,
     enable_prefix_caching: bool = True,
     record_trace: bool = False,
     quantization: str | None = None,
@@ -240,14 +252,19 @@ def make_engine_config(
     The scheduler's ``max_model_len`` is provisional here; the engine narrows it to the
     model's context length once the model is known.
     """
-    provisional_len = max_model_len or DEFAULT_MAX_MODEL_LEN
+    if seed is None:  # vLLM's "no seed": a fresh one
+        seed = random.SystemRandom().randrange(2**63)
+    if kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = DEFAULT_KV_CACHE_MEMORY_BYTES
+    model_config = ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
+                               max_model_len=max_model_len, quantization=quantization)
+    provisional_len = DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len
     default_budget = (
         DEFAULT_MAX_NUM_BATCHED_TOKENS if enable_chunked_prefill else provisional_len
     )
-    budget = max_num_batched_tokens or default_budget
+    budget = default_budget if max_num_batched_tokens is None else max_num_batched_tokens
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
-                          max_model_len=max_model_len, quantization=quantization),
+        model=model_config,
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                           kv_cache_memory_bytes=kv_cache_memory_bytes,
                           enable_prefix_caching=enable_prefix_caching,

@@ -61,6 +61,7 @@ from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import StepTrace, record_step
 from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.vllm_engine_args import take_vllm_only_args
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,9 @@ class LLMEngine:
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
-        return cls(make_engine_config(model, **options))
+        """vLLM-style options (:func:`make_engine_config`); vLLM-only ones such as
+        ``tensor_parallel_size=1`` are accepted at neutral values (:mod:`inflight.vllm_engine_args`)."""
+        return cls(make_engine_config(model, **take_vllm_only_args(options)))
 
     def _default_num_blocks(self, affordable: int, max_model_len: int) -> int:
         """The memory budget's worth of blocks, but no more than the batch can ever use."""

@@ -79,8 +79,21 @@ class StepTrace:
 
     @staticmethod
     def read_jsonl(path: str | Path) -> list[StepRecord]:
+        """The records of a trace file; ValueError naming the file and line for anything
+        else (a workload file, a truncated line)."""
+        records = []
         with open(path, encoding="utf-8") as f:
-            return [StepRecord.from_json(json.loads(line)) for line in f if line.strip()]
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(StepRecord.from_json(json.loads(line)))
+                except (ValueError, KeyError, TypeError) as error:
+                    raise ValueError(
+                        f"{path}:{number} is not a step trace record (written by --trace or "
+                        f"record_trace=True): {type(error).__name__}: {error}"
+                    ) from None
+        return records
 
 
 def record_step(

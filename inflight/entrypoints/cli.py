@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args) or 0)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # bad values, missing or unwritable files
         print(f"inflight: error: {error}", file=sys.stderr)
         return 2
 

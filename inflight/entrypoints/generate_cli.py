@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
     )
+    if args.trace:
+        check_writable(args.trace, "--trace")  # before minutes of generation, not after
     llm = LLM(args.model, record_trace=args.trace is not None, **engine_options(args))
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
@@ -65,3 +69,16 @@ def format_answers(prompts: list[str], answers: list[str]) -> str:
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         blocks.append(f"=== [{number}] {shown}\n{answer.strip()}")
     return "\n\n".join(blocks)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """ValueError unless ``path`` can be written: an existing folder, or a file in a folder
+    that is missing or read-only."""
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a folder, not a file")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{flag} {path} cannot be written")

@@ -221,7 +221,7 @@ def _step_logprobs(output: RequestOutput) -> dict[Any, Any]:
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not isinstance(prompts, Sequence):
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise TypeError(
             "prompts must be a string, a list of token ids, a dict or a list of these, got "
             f"{type(prompts).__name__}"

@@ -111,3 +111,28 @@ def test_hf_baseline_shows_progress(tiny_llama_dir: Path, capsys) -> None:
 @pytest.fixture(autouse=True)
 def _private_bench_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BENCH_LOCK", str(tmp_path / "bench.lock"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "w3", "--trace", "/"], "is a folder"),
+        (["generate", "w3", "--trace", "/no/such/folder/t.jsonl"], "does not exist"),
+        (["generate", "w3", "--device", "xyz"], "device must be"),
+        (["bench", "workload", "seed8", "-o", "/"], "Is a directory"),
+    ],
+)
+def test_bad_paths_and_values_are_one_line_errors(tiny_llama_dir: Path, argv, message, capsys):
+    """Exit 2 with "inflight: error: ..." before any generation, never a traceback."""
+    if argv[0] == "generate":
+        argv = [*argv, "--model", str(tiny_llama_dir), "--max-tokens", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inflight: error:") and message in err and "Traceback" not in err
+
+
+def test_plot_names_a_file_that_is_not_a_trace(tmp_path: Path, capsys) -> None:
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"id": 0, "prompt_token_ids": [1, 2], "max_tokens": 3}\n')
+    assert main(["plot", str(workload), "--out-dir", str(tmp_path)]) == 2
+    assert f"{workload}:1 is not a step trace record" in capsys.readouterr().err

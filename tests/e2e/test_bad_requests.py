@@ -151,6 +151,44 @@ def test_unknown_engine_option_raises(tiny_llama_dir):
         LLM(str(tiny_llama_dir), max_num_seq=4)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+        (dict(max_model_len=0), "max_model_len must be >= 2"),
+        (dict(seed=1.5), "seed must be an integer"),
+        (dict(seed=10**30), "seed must be in"),
+        (dict(max_logprobs=1.5), "max_logprobs must be an integer"),
+        (dict(record_trace="yes"), "record_trace must be True or False"),
+        (dict(device="xyz"), "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 is not supported"),
+        (dict(tokenizer="other-dir"), "tokenizer='other-dir' is not supported"),
+        (dict(cpu_offload_gb=4), "cpu_offload_gb=4 is not supported"),
+    ],
+)
+def test_bad_engine_options_are_refused_by_name(tiny_llama_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama_dir), **options)
+
+
+def test_a_vllm_script_s_engine_arguments_run_as_is(tiny_llama_dir, expected):
+    """vLLM's usual arguments at values that change nothing here, and its None defaults."""
+    llm = LLM(
+        str(tiny_llama_dir), max_model_len=128, max_num_seqs=4, tensor_parallel_size=1,
+        enforce_eager=True, gpu_memory_utilization=0.9, trust_remote_code=True, swap_space=4,
+        cpu_offload_gb=0, tokenizer=None, revision=None, disable_log_stats=True,
+        kv_cache_memory_bytes=None, seed=None,
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in GOOD_PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_bytes_are_not_token_ids(llm):
+    with pytest.raises(TypeError, match="bytes"):
+        llm.generate(b"Hello", GREEDY, use_tqdm=False)
+
+
 def test_missing_model_raises_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "no-such-model"))

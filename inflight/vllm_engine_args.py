@@ -1,0 +1,89 @@
+"""vLLM's engine arguments that inflight has no use for, so that a vLLM script runs as is.
+
+``LLM(model, tensor_parallel_size=1, enforce_eager=True, gpu_memory_utilization=0.9, ...)``
+is how vLLM scripts start. Each such argument is accepted at a value that changes nothing
+here (logged when it would change something in vLLM), and refused by name, with the
+reason, at any other value: never silently ignored. Arguments inflight implements are in
+:func:`inflight.config.make_engine_config`; anything in neither is a ``TypeError`` there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Neutral:
+    """Accepted when ``accepts(value)``; ``note`` says what inflight does instead."""
+
+    accepts: Callable[[Any], bool]
+    note: str
+
+
+def _equals(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value in values
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _fraction(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+
+def _non_negative(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+_ONE_DEVICE = "one engine runs on one device; scale out with data-parallel replicas on Ray"
+VLLM_ONLY_ARGS: dict[str, Neutral] = {
+    "tensor_parallel_size": Neutral(_equals(1), f"tensor parallelism is not supported ({_ONE_DEVICE})"),
+    "pipeline_parallel_size": Neutral(_equals(1), f"pipeline parallelism is not supported ({_ONE_DEVICE})"),
+    "data_parallel_size": Neutral(_equals(1), "data parallelism runs on Ray: inflight serve --data-parallel-size"),
+    "enforce_eager": Neutral(_is_bool, "inflight always runs eagerly (no CUDA graphs)"),
+    "max_seq_len_to_capture": Neutral(lambda v: isinstance(v, int), "inflight captures no CUDA graphs"),
+    "disable_custom_all_reduce": Neutral(_is_bool, "inflight has no all-reduce"),
+    "disable_async_output_proc": Neutral(_is_bool, "outputs are processed in the engine step"),
+    "disable_log_stats": Neutral(_is_bool, "the offline engine logs no periodic stats"),
+    "trust_remote_code": Neutral(_is_bool, "inflight runs its own Llama code, never a checkpoint's"),
+    "gpu_memory_utilization": Neutral(
+        _fraction, "the KV cache is sized by kv_cache_memory_bytes (or num_kv_blocks), as vLLM's "
+        "CPU backend sizes it by VLLM_CPU_KVCACHE_SPACE"),
+    "swap_space": Neutral(_non_negative, "preempted requests are recomputed, never swapped"),
+    "cpu_offload_gb": Neutral(_equals(0), "weights are never offloaded"),
+    "tokenizer": Neutral(_equals(None), "the tokenizer always comes with the model (its directory or GGUF file)"),
+    "tokenizer_mode": Neutral(_equals("auto"), "the model's fast tokenizer is always used"),
+    "skip_tokenizer_init": Neutral(_equals(False), "the tokenizer is always loaded"),
+    "revision": Neutral(_equals(None), "models load from a local path, not the Hub"),
+    "tokenizer_revision": Neutral(_equals(None), "models load from a local path, not the Hub"),
+    "code_revision": Neutral(_equals(None), "models load from a local path, not the Hub"),
+    "download_dir": Neutral(_equals(None), "models load from a local path, not the Hub"),
+    "hf_token": Neutral(_equals(None), "models load from a local path, not the Hub"),
+    "load_format": Neutral(_equals("auto"), "the format is read from the model path (safetensors or GGUF)"),
+    "hf_overrides": Neutral(lambda v: v is None or v == {}, "the model's config is used as it is"),
+    "compilation_config": Neutral(_equals(None, 0), "inflight compiles no graphs"),
+    "enable_lora": Neutral(_equals(False), "LoRA adapters are not supported"),
+    "task": Neutral(_equals("auto", "generate"), "inflight runs generative models only"),
+    "runner": Neutral(_equals("auto", "generate"), "inflight runs generative models only"),
+}
+
+
+def take_vllm_only_args(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without the vLLM-only arguments in it, each checked: a neutral value is
+    accepted (logged at INFO with what inflight does instead), any other raises
+    ``ValueError`` naming the argument and the reason."""
+    kept = dict(options)
+    for name, rule in VLLM_ONLY_ARGS.items():
+        if name not in kept:
+            continue
+        value = kept.pop(name)
+        if not rule.accepts(value):
+            raise ValueError(f"{name}={value!r} is not supported: {rule.note}")
+        logger.info("%s=%r accepted with no effect: %s", name, value, rule.note)
+    return kept
