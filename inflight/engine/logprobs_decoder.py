@@ -17,9 +17,10 @@ class LogprobsDecoder:
         self._texts: dict[int, str] = {}
         self._anchor: list[int] | None = None
 
-    def position(self, entry: TokenLogprobs) -> PositionLogprobs:
-        """vLLM's shape: the chosen token first, then the top k (ranks 1..k)."""
-        decode = self.token_text
+    def position(self, entry: TokenLogprobs, detokenize: bool = True) -> PositionLogprobs:
+        """vLLM's shape: the chosen token first, then the top k (ranks 1..k); without
+        ``detokenize`` (the request's ``detokenize=False``) ``decoded_token`` is None."""
+        decode = self.token_text if detokenize else _no_text
         out = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
         for rank, (token, logprob) in enumerate(
             zip(entry.top_token_ids, entry.top_logprobs, strict=True), start=1
@@ -45,3 +46,7 @@ class LogprobsDecoder:
             )
             self._texts[token_id] = text
         return text
+
+
+def _no_text(token_id: int) -> None:
+    return None

@@ -129,7 +129,8 @@ class OutputProcessor:
         if state.logprobs is not None and update.new_token_ids:
             entry = runner_output.logprobs.get(update.request_id)
             if entry is not None:
-                state.logprobs.append(self._logprobs_decoder.position(entry))
+                state.logprobs.append(self._logprobs_decoder.position(
+                    entry, state.request.sampling_params.detokenize))
                 state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry.logprob
         if update.new_token_ids:
             if metrics.first_token_time is None:
@@ -195,7 +196,8 @@ class OutputProcessor:
             for offset, entry in enumerate(chunk.entries):
                 position = chunk.first_position + offset
                 if state.prompt_logprobs[position] is None:
-                    state.prompt_logprobs[position] = self._logprobs_decoder.position(entry)
+                    state.prompt_logprobs[position] = self._logprobs_decoder.position(
+                        entry, state.request.sampling_params.detokenize)
 
     def _merge_child(self, output: RequestOutput) -> RequestOutput | None:
         """Fold a child's output into its parent's; the parent's output when there is one

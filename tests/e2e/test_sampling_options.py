@@ -227,3 +227,16 @@ def test_max_logprobs_is_an_engine_option(tiny_llama_dir):
     with pytest.raises(ValueError, match="max allowed: 2"):
         generate(engine, greedy(logprobs=3))
     assert len(generate(engine, greedy(logprobs=2)).outputs[0].logprobs[0]) == 2
+
+
+def test_detokenize_false_leaves_logprob_texts_empty(llm):
+    """vLLM: without detokenize there is no text anywhere, logprobs' decoded_token too."""
+    plain = generate(llm, greedy(logprobs=2, prompt_logprobs=1))
+    quiet = generate(llm, greedy(logprobs=2, prompt_logprobs=1, detokenize=False))
+    assert quiet.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert quiet.outputs[0].text == "" and plain.outputs[0].text
+    for positions, expect_text in ((quiet.outputs[0].logprobs, False),
+                                   (plain.outputs[0].logprobs, True),
+                                   (quiet.prompt_logprobs[1:], False)):
+        texts = [lp.decoded_token for pos in positions for lp in pos.values()]
+        assert texts and all((t is not None) == expect_text for t in texts)
