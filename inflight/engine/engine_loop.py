@@ -37,6 +37,8 @@ from inflight.metrics.stats import (
 from inflight.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+# The longest the idle engine thread waits in one go for a deadline (see _until_deadline).
+_LONGEST_WAIT_S = 3600.0
 
 
 class RequestTimeoutError(EngineDeadError):
@@ -127,10 +129,12 @@ class EngineLoop:
                 return commands
 
     def _until_deadline(self) -> float | None:
-        """Seconds until the earliest pending deadline (None: none pending)."""
+        """Seconds until the earliest pending deadline (None: none pending), at most an
+        hour: a queue's wait overflows past ``threading.TIMEOUT_MAX`` (~9.2e9 s), and a
+        client may ask for any timeout (waking early only rechecks the deadlines)."""
         if not self._deadlines:
             return None
-        return max(0.0, self._deadlines[0][0] - self._clock())
+        return min(_LONGEST_WAIT_S, max(0.0, self._deadlines[0][0] - self._clock()))
 
     def _expire(self, outbox: Outbox) -> None:
         """Abort every request past its deadline (engine thread, between steps)."""

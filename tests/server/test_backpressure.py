@@ -274,3 +274,20 @@ def test_offline_add_request_raises_at_the_limit_and_generate_feeds_as_room_free
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert max(waiting_seen) == 2  # the limit was reached and never passed
+
+
+@pytest.mark.parametrize("timeout_s", [1e10, 1e300])
+def test_a_huge_timeout_does_not_stop_the_engine(
+    server: InProcessServer, alone: list[list[int]], timeout_s: float,
+) -> None:
+    """A deadline years away stays in the engine's heap after its request ends; the idle
+    engine thread's wait for it must not overflow (it did past ~9.2e9 s and killed it)."""
+    first = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json=completion(PROMPTS[0], request_timeout=timeout_s, return_token_ids=True))
+    assert first.status_code == 200, first.text
+    time.sleep(0.3)  # the engine thread goes idle, waiting for that deadline
+    assert server.async_engine.is_healthy
+    again = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json=completion(PROMPTS[1], return_token_ids=True))
+    assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == alone[1]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
