@@ -75,6 +75,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "local one on loopback",
     )
     group.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="let requests carry their own 'chat_template' (arbitrary Jinja, run on the "
+        "server's one tokenizer thread); refused with a 400 otherwise, as in vLLM",
+    )
+    group.add_argument(
         "--request-timeout",
         type=float,
         default=None,
@@ -143,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("INFLIGHT_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise SystemExit(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")

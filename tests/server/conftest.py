@@ -52,6 +52,7 @@ def tiny_server(tiny_llama_dir: Path, start_server: Callable[..., ServerProcess]
         "tiny-alias",
         "--max-num-seqs",
         "32",
+        "--trust-request-chat-template",  # the tests send templates (one test refuses them)
     )
 
 

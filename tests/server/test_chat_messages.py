@@ -324,3 +324,30 @@ def test_server_continuous_usage_stats(tiny_server: ServerProcess) -> None:
     token_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert [c["usage"]["completion_tokens"] for c in token_chunks] == [1, 2, 3, 4, 5]
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {2}
+
+
+def test_a_request_template_needs_the_operator_s_trust(tiny_llama_dir: Path) -> None:
+    """vLLM's rule: a template in the request is arbitrary Jinja on the server's one
+    tokenizer thread (a long loop held every request), so it is a 400 unless the server
+    runs with --trust-request-chat-template; the server's own template still serves."""
+    from inprocess_server import InProcessServer
+
+    server = InProcessServer(tiny_llama_dir, trust_request_chat_template=False).start()
+    try:
+        looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+        messages = [{"role": "user", "content": "w3 w4"}]
+        for route, body in (
+            ("/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 2,
+                                      "chat_template": looping}),
+            ("/tokenize", {"model": "tiny", "messages": messages, "chat_template": looping}),
+        ):
+            response = httpx.post(f"{server.url}{route}", json=body, timeout=30)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "chat_template"
+            assert "--trust-request-chat-template" in error["message"]
+        tokens = httpx.post(f"{server.url}/tokenize", timeout=30,
+                            json={"model": "tiny", "prompt": "w3 w4"})
+        assert tokens.status_code == 200  # the server is not held up
+    finally:
+        server.stop()

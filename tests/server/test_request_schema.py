@@ -111,6 +111,8 @@ IMPLEMENTED_SHARED: dict[str, dict[str, Any]] = {
     "bad_words": {"bad_words": ["w3"]},
     "prompt_logprobs": {"prompt_logprobs": 1},
     "response_format": {"response_format": {"type": "text"}},
+    "use_beam_search": {"use_beam_search": True, "n": 2},
+    "length_penalty": {"use_beam_search": True, "length_penalty": 0.5},
 }
 # Constraints need a tokenizer llguidance can read, which the tiny model's word-level one is
 # not: they are tried on the default model (tests/server/test_structured_server.py).
@@ -161,8 +163,6 @@ IMPLEMENTED_CHAT = IMPLEMENTED_SHARED | {
 # Refused fields: (a value that must be refused, the neutral value that must still work).
 REFUSED_SHARED: dict[str, tuple[Any, Any]] = {
     "spaces_between_special_tokens": (False, True),
-    "use_beam_search": (True, False),
-    "length_penalty": (0.5, 1.0),
     "watermarking": (True, False),
     "logprob_token_ids": ([3], None),
     "return_tokens_as_token_ids": (True, False),

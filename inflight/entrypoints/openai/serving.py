@@ -85,6 +85,10 @@ class ServerConfig:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     chat_template: str | None = None  # overrides the tokenizer's template when set
+    # vLLM's --trust-request-chat-template: a template sent in a request runs arbitrary
+    # Jinja (a loop of 10^10 steps holds the tokenizer thread, and every request, for
+    # good), so requests may carry one only when the operator says so.
+    trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # the one parser (tool_calls.TOOL_CALL_PARSERS)
 
 

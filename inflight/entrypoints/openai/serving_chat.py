@@ -163,7 +163,14 @@ def render_messages(
     """The request's messages through the chat renderer; its refusals are 400s.
 
     Tools go to a template that knows them, else into the messages (``tool_calls.py``).
+    A template in the request is refused unless the server trusts request templates.
     """
+    if options.chat_template is not None and not state.config.trust_request_chat_template:
+        raise bad_request(
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template.",
+            "chat_template",
+        )
     if options.chat_template is None and state.config.chat_template is not None:
         options = _with_template(options, state.config.chat_template)
     template = options.chat_template or getattr(state.engine.tokenizer, "chat_template", None)
