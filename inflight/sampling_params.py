@@ -32,6 +32,9 @@ class InvalidRequestError(ValueError):
 # How a request whose parameters leave no token samplable fails (the sampler's message
 # starts with it; the server answers it with a 400, the client's parameters being the cause).
 NO_TOKEN_LEFT = "no token can be sampled"
+# How a request whose structured-output constraint fails to compile or to run fails (the
+# manager's messages start with it; the server answers a 400 naming structured_outputs).
+CONSTRAINT_FAILED = "structured outputs:"
 
 
 @dataclass(slots=True)

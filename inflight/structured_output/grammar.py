@@ -8,8 +8,6 @@ naming ``structured_outputs``.
 
 from __future__ import annotations
 
-import json
-
 import llguidance
 
 from inflight.sampling_params import InvalidRequestError, StructuredOutputsParams
@@ -29,9 +27,32 @@ def serialize_grammar(params: StructuredOutputsParams) -> str:
     if kind == "regex":
         return llguidance.grammar_from("regex", params.regex)  # type: ignore[arg-type]
     if kind == "choice":
-        return llguidance.grammar_from("choice", json.dumps(params.choice))
+        # One regex alternation, not llguidance's choice grammar: that puts every choice
+        # in one parser row, which holds at most 2000 items (and took 5 s for 50,000);
+        # as a regex the lexer matches them all (50,000 in 0.25 s).
+        options = "|".join(_regex_literal(choice) for choice in params.choice)  # type: ignore[union-attr]
+        return llguidance.grammar_from("regex", f"(?:{options})")
     # Lark, or GBNF (llama.cpp's syntax) converted to Lark.
     return llguidance.grammar_from("grammar", params.grammar)  # type: ignore[arg-type]
+
+
+# Characters with a meaning in llguidance's regex syntax (Rust's), and the "/" that ends
+# the Lark regex literal it is wrapped in.
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/\"")
+
+
+def _regex_literal(text: str) -> str:
+    """A regex matching exactly ``text``: metacharacters escaped, control characters and
+    whitespace other than a space as ``\\x{..}``."""
+    out = []
+    for char in text:
+        if char in _REGEX_META:
+            out.append("\\" + char)
+        elif (char.isspace() and char != " ") or not char.isprintable():
+            out.append(f"\\x{{{ord(char):x}}}")
+        else:
+            out.append(char)
+    return "".join(out)
 
 
 def validate_grammar(params: StructuredOutputsParams) -> str:

@@ -38,12 +38,18 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from inflight.sampling_params import InvalidRequestError, StructuredOutputsParams
+from inflight.sampling_params import (
+    CONSTRAINT_FAILED,
+    InvalidRequestError,
+    StructuredOutputsParams,
+)
 from inflight.structured_output.grammar import validate_grammar
 
 logger = logging.getLogger(__name__)
 
 _GrammarKey = tuple[str, str, bool]
+# A failed request's message keeps this much of llguidance's error text.
+_MAX_ERROR_CHARS = 500
 
 
 class _HasRequestId(Protocol):
@@ -52,6 +58,7 @@ class _HasRequestId(Protocol):
 
 @dataclass
 class _RequestGrammar:
+    key: _GrammarKey
     compiled: futures.Future[llguidance.LLMatcher]  # the cached, never-advanced matcher
     matcher: llguidance.LLMatcher | None = None  # this request's own, from its first step
 
@@ -93,7 +100,7 @@ class StructuredOutputManager:
             self._cache[key] = compiled
             self._evict()
         self._cache.move_to_end(key)
-        self._requests[request_id] = _RequestGrammar(compiled)
+        self._requests[request_id] = _RequestGrammar(key, compiled)
 
     def free(self, request_ids: list[str]) -> None:
         """Forget finished requests' matchers (unknown ids are ignored)."""
@@ -139,9 +146,12 @@ class StructuredOutputManager:
             try:
                 rows.append((self._matcher(request_id), row))
             except Exception as error:  # this request's grammar: it alone fails
-                failed[request_id] = f"structured outputs: {error}"
+                failed[request_id] = self._failure(request_id, str(error))
         if rows:
             llg_numpy.fill_next_token_bitmask_par(self._mask_executor(), rows, bitmask)
+        for matcher, row in rows:
+            if matcher.is_error():  # e.g. a regex too complex for the lexer
+                failed[request_ids[row]] = self._failure(request_ids[row], matcher.get_error())
         return bitmask, failed
 
     def accept_tokens(self, tokens: dict[str, int]) -> tuple[set[str], dict[str, str]]:
@@ -157,17 +167,30 @@ class StructuredOutputManager:
             try:
                 matcher = self._matcher(request_id)
             except Exception as error:
-                failed[request_id] = f"structured outputs: {error}"
+                failed[request_id] = self._failure(request_id, str(error))
                 continue
-            if not matcher.consume_token(token):
-                failed[request_id] = (
-                    f"structured outputs: the grammar rejected token {token}: {matcher.get_error()}"
+            # A matcher in error may also say "stopped": that is a failure, never a stop.
+            if not matcher.consume_token(token) or matcher.is_error():
+                failed[request_id] = self._failure(
+                    request_id, f"the grammar rejected token {token}: {matcher.get_error()}"
                 )
             elif matcher.is_stopped():
                 finished.add(request_id)
         return finished, failed
 
     # ------------------------------------------------------------------ internals
+
+    def _failure(self, request_id: str, error: str) -> str:
+        """The failed request's message (llguidance's first lines, without its dump of
+        the parser state and the whole grammar); its grammar leaves the cache, so the
+        next request with the same constraint starts afresh."""
+        state = self._requests.get(request_id)
+        if state is not None and self._cache.get(state.key) is state.compiled:
+            del self._cache[state.key]
+        summary = error.split("\n<state>")[0].strip()
+        if len(summary) > _MAX_ERROR_CHARS:
+            summary = summary[:_MAX_ERROR_CHARS] + " ..."
+        return f"{CONSTRAINT_FAILED} {summary}"
 
     def _matcher(self, request_id: str) -> llguidance.LLMatcher:
         state = self._requests.get(request_id)

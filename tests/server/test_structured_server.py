@@ -183,3 +183,23 @@ def test_bad_constraints_are_400s_and_the_server_keeps_serving(
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     ok = httpx.post(url, json=body | {"temperature": 0}, headers=AUTH, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_constraints_too_large_or_complex_for_the_grammar_engine(client: openai.OpenAI) -> None:
+    """5000 choices are followed (llguidance's own choice grammar stops at 2000); a regex
+    too complex for its lexer is a 400 naming structured_outputs, the second time too
+    (a failed grammar is never reused), with a message of reasonable size."""
+    choices = [f"c{i}" for i in range(5000)]
+    response = client.completions.create(
+        model=MODEL, prompt="Pick:", max_tokens=6, extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert response.choices[0].text in choices
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(
+                model=MODEL, prompt="Q:", max_tokens=5,
+                extra_body={"structured_outputs": {"regex": "(a{1000}){1000}"}},
+            )
+        error = info.value.body
+        assert error["param"] == "structured_outputs"  # type: ignore[index]
+        assert "too many expressions" in error["message"] and len(error["message"]) < 1000  # type: ignore[index]

@@ -74,6 +74,52 @@ def test_choice_masks_advance_with_each_token_and_finish(manager) -> None:
     assert finished == {"r"} and not failed
 
 
+TRICKY_CHOICES = ["a.b", "x|y", "(", "\\", "new\nline", "é", "👍 ok", "[", "{1}", "^$", "-",
+                  "~", "&", "#", " sp ", "\t", '"q"', "/s/", "a*", "(?:x)"]
+
+
+@pytest.mark.parametrize("index", range(len(TRICKY_CHOICES)))
+def test_every_choice_is_followed_byte_for_byte(manager, index: int) -> None:
+    """Each choice, metacharacters and control characters included, is accepted exactly;
+    once it is complete only the end (or a longer choice) may follow."""
+    manager.add_request("r", StructuredOutputsParams(choice=TRICKY_CHOICES))
+    compiled(manager, "r")
+    for byte in TRICKY_CHOICES[index].encode():
+        assert byte in allowed(manager, "r")
+        assert manager.accept_tokens({"r": byte}) in ((set(), {}), ({"r"}, {}))
+    assert END in allowed(manager, "r") or manager.accept_tokens({"r": END})[0] == {"r"}
+
+
+def test_thousands_of_choices(manager) -> None:
+    # llguidance's own choice grammar stops at 2000 (one parser row each).
+    choices = [f"c{i}" for i in range(5000)]
+    manager.add_request("r", StructuredOutputsParams(choice=choices))
+    compiled(manager, "r")
+    assert allowed(manager, "r") == {ord("c")}
+    for byte in b"c4999":
+        assert not manager.accept_tokens({"r": byte})[1]
+    assert allowed(manager, "r") == {END}
+
+
+def test_a_grammar_too_complex_to_run_fails_every_time_with_a_short_message(manager) -> None:
+    """A regex the lexer gives up on fails its request at the first step; the failed
+    grammar leaves the cache, so the same constraint fails again (never an empty
+    "stop"), and the message is llguidance's error without its grammar dump."""
+    params = StructuredOutputsParams(regex="(a{1000}){1000}")
+    for request_id in ("first", "second"):
+        manager.add_request(request_id, params)
+        compiled(manager, request_id)
+        _, failed = manager.fill_bitmask([request_id])
+        if not failed:
+            finished, failed = manager.accept_tokens({request_id: ord("a")})
+            assert not finished
+        assert failed[request_id].startswith("structured outputs:")
+        assert "too many expressions" in failed[request_id]
+        assert len(failed[request_id]) < 600 and "<grammar>" not in failed[request_id]
+        manager.free([request_id])
+    assert manager.num_cached_grammars == 0
+
+
 def test_regex_mask_and_a_rejected_token_fails_that_request(manager) -> None:
     manager.add_request("r", StructuredOutputsParams(regex="[0-9]+x"))
     compiled(manager, "r")

@@ -53,7 +53,7 @@ from inflight.entrypoints.openai.errors import (
     request_timeout,
 )
 from inflight.outputs import PromptLogprobs, SampleLogprobs
-from inflight.sampling_params import NO_TOKEN_LEFT, SamplingParams
+from inflight.sampling_params import CONSTRAINT_FAILED, NO_TOKEN_LEFT, SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -139,6 +139,9 @@ def engine_failure(error: Exception) -> OpenAIError:
         return request_timeout(f"The request timed out: {error}")
     if isinstance(error, RequestFailedError) and NO_TOKEN_LEFT in str(error):
         return bad_request(f"The request's sampling parameters leave nothing to sample: {error}")
+    if isinstance(error, RequestFailedError) and CONSTRAINT_FAILED in str(error):
+        return bad_request(f"The request's constraint cannot be followed: {error}",
+                           "structured_outputs")
     status = 503 if isinstance(error, EngineUnavailableError) else 500
     return OpenAIError(status, f"The engine failed while serving this request: {error}", SERVER_ERROR)
 
