@@ -315,11 +315,18 @@ def test_server_continuous_usage_stats(tiny_server: ServerProcess) -> None:
         "stream": True,
         "stream_options": {"continuous_usage_stats": True},
     }
-    with httpx.stream(
-        "POST", f"{tiny_server.url}/v1/chat/completions", json=body, headers=AUTH
-    ) as response:
-        lines = [ln for ln in response.iter_lines() if ln.startswith("data: {")]
-    chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines]
+
+    def chunks_of(body: dict[str, Any]) -> list[dict[str, Any]]:
+        with httpx.stream(
+            "POST", f"{tiny_server.url}/v1/chat/completions", json=body, headers=AUTH
+        ) as response:
+            lines = [ln for ln in response.iter_lines() if ln.startswith("data: {")]
+        return [json.loads(ln.removeprefix("data: ")) for ln in lines]
+
+    # vLLM's rule: continuous_usage_stats only counts together with include_usage.
+    assert all(c.get("usage") is None for c in chunks_of(body))
+    body["stream_options"] = {"continuous_usage_stats": True, "include_usage": True}
+    chunks = chunks_of(body)
     assert all(c["usage"] is not None for c in chunks)
     token_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert [c["usage"]["completion_tokens"] for c in token_chunks] == [1, 2, 3, 4, 5]

@@ -210,10 +210,11 @@ def test_completion_token_ids_and_continuous_usage(
         max_tokens=5,
         temperature=0,
         stream=True,
-        stream_options={"continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    chunks = list(stream)
+    *chunks, last = list(stream)
+    assert not last.choices and last.usage.completion_tokens == 5  # include_usage's chunk
     assert [c.usage.completion_tokens for c in chunks if c.usage] == [1, 2, 3, 4, 5]
     extras = [c.choices[0].model_extra or {} for c in chunks]
     assert extras[0]["prompt_token_ids"] == expected.prompt_token_ids

@@ -102,7 +102,10 @@ class _GenerationFields(_Request):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM's rule: usage on every chunk only with include_usage as well."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
 
 class CompletionRequest(_GenerationFields):
