@@ -173,7 +173,8 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",
 def test_hermes_auto_answers() -> None:
     auto = ToolChoice("auto")
     answer = parse_answer("Let me check.\n" + CALL_TEXT + "\n" + CALL_TEXT, PARSED_TOOLS, auto)
-    assert answer.content == "Let me check."
+    # The text before the call as it streamed, not stripped (vLLM's Hermes parser).
+    assert answer.content == "Let me check.\n"
     assert [(c.name, json.loads(c.arguments)) for c in answer.calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"})
     ] * 2
@@ -223,6 +224,8 @@ def test_streamed_auto_answer_holds_back_the_tool_call() -> None:
     sent = [streamer.feed(p) for p in pieces]
     content = "".join(c for c, _ in sent)
     assert content == "Sure. " and all(not calls for _, calls in sent)
+    # the same content as the whole answer's (no strip on either side)
+    assert parse_answer(text, PARSED_TOOLS, ToolChoice("auto")).content == content
     rest, calls = streamer.finish()
     assert rest == "" and streamer.has_calls
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [

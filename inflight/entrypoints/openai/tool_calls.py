@@ -285,7 +285,8 @@ def parse_hermes(text: str, tools: Sequence[FunctionTool]) -> tuple[str | None, 
         calls.append(ToolCall(value["name"], json.dumps(arguments), new_call_id()))
     if not calls:
         return text, []
-    content = text[:start].strip()
+    # The text before the first call, as it streams (vLLM's Hermes parser: not stripped).
+    content = text[:start]
     return content or None, calls
 
 
