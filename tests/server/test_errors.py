@@ -297,3 +297,20 @@ def test_priority_without_priority_scheduling_is_refused(tiny_server: ServerProc
         assert_openai_error(response, 400, "priority")
         assert "priority scheduling is not enabled" in response.json()["error"]["message"]
     assert post(tiny_server, "/v1/completions", ok_completion(priority=0)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "tool_calls",
+    ["x", [5], [{"type": "function", "function": {}}],
+     [{"type": "function", "function": {"name": 7, "arguments": "{}"}}],
+     [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]],
+)
+def test_malformed_assistant_tool_calls_are_refused(tiny_server: ServerProcess, tool_calls: Any) -> None:
+    """OpenAI's shape for an earlier call: [{"id", "type": "function", "function": {"name",
+    "arguments"}}]; anything else is a 400 naming the messages, not a prompt with null names."""
+    messages = [{"role": "user", "content": "w3"}, {"role": "assistant", "tool_calls": tool_calls},
+                {"role": "user", "content": "w4"}]
+    response = post(tiny_server, "/v1/chat/completions",
+                    {"model": "tiny", "messages": messages, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith("messages")

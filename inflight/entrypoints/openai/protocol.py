@@ -127,15 +127,32 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class CalledFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI's JSON text; an object is taken too
+
+
+class MessageToolCall(_Request):
+    """A call an earlier assistant message made (OpenAI's shape; ``id`` may be left out)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
-    """One message; keys beside these (``tool_calls``, ...) are passed to the template."""
+    """One message; keys beside these are passed to the template as given."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_unset=True)
+        message = self.model_dump(exclude_unset=True)
+        if self.tool_calls is not None:  # whole, defaults included, as templates read them
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return message
 
 
 class ChatCompletionRequest(_GenerationFields):
