@@ -69,16 +69,27 @@ VLLM_ONLY_ARGS: dict[str, Neutral] = {
     "hf_overrides": Neutral(lambda v: v is None or v == {}, "the model's config is used as it is"),
     "compilation_config": Neutral(_equals(None, 0), "inflight compiles no graphs"),
     "enable_lora": Neutral(_equals(False), "LoRA adapters are not supported"),
+    "enable_sleep_mode": Neutral(_equals(False), "the engine never sleeps"),
+    "distributed_executor_backend": Neutral(
+        _equals(None, "mp", "uni"), "the engine runs in this process (data parallelism: "
+        "inflight serve --data-parallel-backend ray)"),
     "task": Neutral(_equals("auto", "generate"), "inflight runs generative models only"),
     "runner": Neutral(_equals("auto", "generate"), "inflight runs generative models only"),
 }
 
 
-def take_vllm_only_args(options: dict[str, Any]) -> dict[str, Any]:
+def take_vllm_only_args(
+    options: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``options`` without the vLLM-only arguments in it, each checked: a neutral value is
     accepted (logged at INFO with what inflight does instead), any other raises
-    ``ValueError`` naming the argument and the reason."""
-    kept = dict(options)
+    ``ValueError`` naming the argument and the reason. An option in ``defaults`` given
+    as None (vLLM's "unset", as scripts pass ``args.max_num_seqs`` through) is dropped, so
+    inflight's own default applies."""
+    kept = {
+        name: value for name, value in options.items()
+        if not (value is None and defaults is not None and defaults.get(name) is not None)
+    }
     for name, rule in VLLM_ONLY_ARGS.items():
         if name not in kept:
             continue

@@ -34,6 +34,7 @@ strings, merging the children of an ``n > 1`` request) is ``output_processor.py`
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from typing import Any
@@ -177,7 +178,12 @@ class LLMEngine:
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
         """vLLM-style options (:func:`make_engine_config`); vLLM-only ones such as
         ``tensor_parallel_size=1`` are accepted at neutral values (:mod:`inflight.vllm_engine_args`)."""
-        return cls(make_engine_config(model, **take_vllm_only_args(options)))
+        defaults = {
+            name: parameter.default
+            for name, parameter in inspect.signature(make_engine_config).parameters.items()
+            if name != "seed"  # seed=None means a fresh seed, not the default
+        }
+        return cls(make_engine_config(model, **take_vllm_only_args(options, defaults)))
 
     def _default_num_blocks(self, affordable: int, max_model_len: int) -> int:
         """The memory budget's worth of blocks, but no more than the batch can ever use."""

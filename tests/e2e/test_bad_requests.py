@@ -173,12 +173,15 @@ def test_bad_engine_options_are_refused_by_name(tiny_llama_dir, options, message
 
 
 def test_a_vllm_script_s_engine_arguments_run_as_is(tiny_llama_dir, expected):
-    """vLLM's usual arguments at values that change nothing here, and its None defaults."""
+    """vLLM's usual arguments at values that change nothing here, and its None defaults
+    (scripts pass ``args.block_size`` through): None means inflight's default."""
     llm = LLM(
         str(tiny_llama_dir), max_model_len=128, max_num_seqs=4, tensor_parallel_size=1,
         enforce_eager=True, gpu_memory_utilization=0.9, trust_remote_code=True, swap_space=4,
         cpu_offload_gb=0, tokenizer=None, revision=None, disable_log_stats=True,
-        kv_cache_memory_bytes=None, seed=None,
+        kv_cache_memory_bytes=None, seed=None, enable_prefix_caching=None,
+        enable_chunked_prefill=None, block_size=None, distributed_executor_backend=None,
+        enable_sleep_mode=False,
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in GOOD_PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -82,12 +82,18 @@ def test_chat_beams_are_the_offline_beams(client: openai.OpenAI, offline: LLM) -
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 11}, "n"),
         ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
+        ({"structured_outputs": {"choice": ["w3"]}}, "structured_outputs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+         "tool_choice"),
+        ({"logprobs": True, "top_logprobs": 5, "n": 2}, "top_logprobs"),  # over 2 * n
     ],
 )
 def test_what_a_beam_search_cannot_honour_is_refused(
     client: openai.OpenAI, body: dict[str, Any], param: str
 ) -> None:
-    known = {k: body.pop(k) for k in list(body) if k in ("top_p", "stop", "seed", "n", "response_format")}
+    known = {k: body.pop(k) for k in list(body) if k in (
+        "top_p", "stop", "seed", "n", "response_format", "tools", "tool_choice", "logprobs",
+        "top_logprobs")}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "w3"}], max_tokens=3,
@@ -95,3 +101,51 @@ def test_what_a_beam_search_cannot_honour_is_refused(
         )
     assert info.value.status_code == 400
     assert info.value.body["param"] == param  # type: ignore[index]
+
+
+def test_echo_with_logprobs_is_refused_by_its_own_name(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=3, echo=True,
+                                  logprobs=1, extra_body=BEAM)
+    assert info.value.body["param"] == "echo"  # type: ignore[index]
+
+
+def test_a_step_refused_mid_stream_ends_it_in_band(tiny_llama_dir: Path) -> None:
+    """Each search step adds new engine requests after the answer began; one refused then
+    (here: the engine says it is overloaded from the second step on) ends a stream with an
+    error event and [DONE], and a whole answer with the refusal's own status, never a
+    dropped connection."""
+    import json
+
+    import httpx
+    from inprocess_server import InProcessServer
+
+    from inflight.engine.llm_engine import EngineOverloadedError
+
+    server = InProcessServer(tiny_llama_dir).start()
+    engine = server.async_engine
+    real_add, calls = engine.add_request, []
+
+    async def overloaded_after_the_first_step(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) > 1:
+            raise EngineOverloadedError(1, 1)
+        return await real_add(*args, **kwargs)
+
+    engine.add_request = overloaded_after_the_first_step  # type: ignore[method-assign]
+    try:
+        body = {"model": "tiny", "prompt": PROMPT, "n": 3, "max_tokens": 4,
+                "use_beam_search": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [line.removeprefix("data: ") for line in r.iter_lines()
+                      if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_overloaded"
+        calls.clear()
+        whole = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False},
+                           timeout=60)
+        assert whole.status_code == 503 and whole.json()["error"]["code"] == "engine_overloaded"
+    finally:
+        engine.add_request = real_add  # type: ignore[method-assign]
+        server.stop()

@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inflight.engine.request_stream import EngineDeadError
+
 logger = logging.getLogger(__name__)
 
 # OpenAI's error types: client mistakes (any 4xx, auth and unknown model included) are
@@ -77,6 +79,17 @@ class OpenAIError(Exception):
 # Seconds a client refused by backpressure is told to wait (Retry-After): a request
 # slot frees within about a step, but one second keeps retry storms down.
 RETRY_AFTER_S = 1
+
+
+class StepRefusedError(EngineDeadError):
+    """A request that runs several engine requests in turn (a beam search) had one refused
+    after its answer began (overloaded, shutting down) or cut short: it fails with
+    ``openai_error``, as the status of a whole answer or in-band in a stream."""
+
+    def __init__(self, openai_error: OpenAIError) -> None:
+        super().__init__(openai_error.message)
+        self.openai_error = openai_error
+
 
 
 def overloaded(message: str) -> OpenAIError:

@@ -104,14 +104,14 @@ _SHARED: dict[str, Treatment] = {
     "allowed_token_ids": Implemented("only these token ids may be sampled"),
     "bad_words": Implemented("words never generated"),
     "prompt_logprobs": Implemented("the prompt tokens' logprobs and top k (not when streaming)"),
-    "logprob_token_ids": Refused(f"logprobs are {_LATER}"),
+    "logprob_token_ids": Refused(f"logprobs of chosen token ids are {_LATER}"),
     "structured_outputs": Implemented(
         "vLLM's json, regex, choice, grammar (Lark or GBNF), json_object constraints"
     ),
     "priority": Implemented("scheduling priority (lower first) with --scheduling-policy priority"),
     "request_id": Implemented("the response's id (cmpl-/chatcmpl- + request_id)"),
     "session_id": Implemented("accepted: a routing hint for multi-server setups, no effect here"),
-    "return_tokens_as_token_ids": Refused(f"logprobs are {_LATER}"),
+    "return_tokens_as_token_ids": Refused(f"token ids as logprob tokens are {_LATER}"),
     "return_token_ids": Implemented("prompt_token_ids and token_ids in the response"),
     "routed_experts_prompt_start": Refused("this model has no experts (MoE)"),
     "return_token_offsets": Implemented(

@@ -46,6 +46,7 @@ from inflight.entrypoints.openai.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
     OpenAIError,
+    StepRefusedError,
     bad_request,
     from_engine_error,
     from_validation_error,
@@ -135,6 +136,8 @@ def engine_failure(error: Exception) -> OpenAIError:
     (except a request whose own parameters left no token to sample: a 400);
     a request that passed its deadline is a 504; a dead data-parallel replica is a 503
     (the service is still up: retry)."""
+    if isinstance(error, StepRefusedError):
+        return error.openai_error
     if isinstance(error, RequestTimeoutError):
         return request_timeout(f"The request timed out: {error}")
     if isinstance(error, RequestFailedError) and NO_TOKEN_LEFT in str(error):

@@ -22,9 +22,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from inflight.beam_search import BeamSearchInstance, BeamSearchParams, check_beam_search
 from inflight.engine.protocol import EngineClient
 from inflight.engine.request_stream import RequestDelta, RequestStream
-from inflight.entrypoints.openai.errors import bad_request, from_engine_error
+from inflight.entrypoints.openai.errors import (
+    SERVER_ERROR,
+    OpenAIError,
+    StepRefusedError,
+    bad_request,
+    from_engine_error,
+)
 from inflight.entrypoints.openai.params import GenerationRequest
-from inflight.entrypoints.openai.serving import add_requests, collect
+from inflight.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.entrypoints.openai.serving import Completion, add_requests, collect
 from inflight.outputs import PositionLogprobs
 from inflight.sampling_params import SamplingParams
 
@@ -39,15 +46,15 @@ _HONOURED = {
     "n", "temperature", "max_tokens", "ignore_eos", "include_stop_str_in_output",
     "skip_special_tokens", "logprobs", "detokenize",
 }
-# The request field that sets each refused SamplingParams field, and what to call it.
-_REQUEST_FIELD = {
-    "structured_outputs": (
-        "response_format",
-        "structured output constraints (response_format, structured_outputs, a required or "
-        "named tool_choice)",
-    ),
-    "prompt_logprobs": ("prompt_logprobs", "prompt_logprobs (or echo with logprobs)"),
-}
+def _request_field(request: GenerationRequest, name: str) -> str:
+    """The request field that set SamplingParams field ``name``, where they differ."""
+    if name == "structured_outputs":
+        if isinstance(request, ChatCompletionRequest) and request.tool_choice not in (None, "auto", "none"):
+            return "tool_choice"
+        return "structured_outputs" if request.structured_outputs is not None else "response_format"
+    if name == "prompt_logprobs" and request.prompt_logprobs is None:
+        return "echo"  # completions' echo with logprobs asks for the prompt's logprobs
+    return name
 
 
 def beam_search_params(
@@ -62,8 +69,15 @@ def beam_search_params(
         if name in _HONOURED or name.startswith("_"):
             continue
         if getattr(params, name) != getattr(defaults, name):
-            field, what = _REQUEST_FIELD.get(name, (name, name))
-            raise bad_request(f"{what} cannot be combined with use_beam_search", field)
+            field = _request_field(request, name)
+            raise bad_request(f"{field} cannot be combined with use_beam_search", field)
+    logprobs_field = "logprobs" if isinstance(request, CompletionRequest) else "top_logprobs"
+    if params.logprobs is not None and params.logprobs > 2 * params.n:
+        raise bad_request(
+            f"with use_beam_search, {logprobs_field} can be at most 2 * n = {2 * params.n} "
+            f"(each step ranks that many tokens per beam), got {params.logprobs}",
+            logprobs_field,
+        )
     try:
         search = BeamSearchParams(
             beam_width=params.n,
@@ -160,11 +174,14 @@ class BeamSearchStream:
         search = self._search
         try:
             while not search.done and not self._closed:
-                self._streams = await self._add_requests(
-                    [(None, tokens) for tokens in search.prompts()], self._step
-                )
+                try:  # a step refused after the answer began fails it, in-band if streamed
+                    self._streams = await self._add_requests(
+                        [(None, tokens) for tokens in search.prompts()], self._step
+                    )
+                except OpenAIError as error:
+                    raise StepRefusedError(error) from error
                 results = await asyncio.gather(*(collect(s) for s in self._streams))
-                search.advance([_step_logprobs(r.completions[0].logprobs) for r in results])
+                search.advance([_step_logprobs(r.completions[0]) for r in results])
         finally:
             self.close()
         if not search.done:
@@ -187,10 +204,14 @@ class BeamSearchStream:
             )
 
 
-def _step_logprobs(logprobs: list[PositionLogprobs] | None) -> PositionLogprobs:
-    if not logprobs:
-        raise RuntimeError("a beam search step returned no logprobs")
-    return logprobs[0]
+def _step_logprobs(completion: Completion) -> PositionLogprobs:
+    """A beam's step result; a beam aborted (server shutting down) ends the search."""
+    if not completion.logprobs:
+        raise StepRefusedError(OpenAIError(
+            503, f"The beam search was cut short: a step ended with {completion.finish_reason!r}",
+            SERVER_ERROR,
+        ))
+    return completion.logprobs[0]
 
 
 def _reported(
