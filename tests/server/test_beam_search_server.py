@@ -5,6 +5,7 @@ whole; fields a beam search cannot honour are 400s that name them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import openai
