@@ -150,3 +150,11 @@ def test_a_step_refused_mid_stream_ends_it_in_band(tiny_llama_dir: Path) -> None
     finally:
         engine.add_request = real_add  # type: ignore[method-assign]
         server.stop()
+
+
+def test_usage_reports_the_prompt_s_cached_tokens(client: openai.OpenAI) -> None:
+    long_prompt = [5 + i for i in range(40)]  # two full blocks of 16 to cache
+    runs = [client.completions.create(model="tiny", prompt=long_prompt, n=2, max_tokens=2,
+                                      extra_body=BEAM) for _ in range(2)]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in runs]  # type: ignore[union-attr]
+    assert cached[1] == 32 and runs[1].usage.prompt_tokens == 40

@@ -160,6 +160,7 @@ class BeamSearchStream:
         self._decode = decode
         self._streams: list[RequestStream] = []
         self._closed = False
+        self._cached_tokens = 0  # prompt tokens the first step found in the prefix cache
 
     def close(self) -> None:
         """Stop the search, aborting the beams' requests of the running step."""
@@ -181,6 +182,8 @@ class BeamSearchStream:
                 except OpenAIError as error:
                     raise StepRefusedError(error) from error
                 results = await asyncio.gather(*(collect(s) for s in self._streams))
+                if search.steps == 0:  # the prompt's own step: what its usage reports
+                    self._cached_tokens = results[0].num_cached_tokens
                 search.advance([_step_logprobs(r.completions[0]) for r in results])
         finally:
             self.close()
@@ -201,6 +204,7 @@ class BeamSearchStream:
                 index=completion.index,
                 logprobs=_reported(completion.token_ids, completion.logprobs, self._top_logprobs),
                 cumulative_logprob=completion.cumulative_logprob,
+                num_cached_tokens=self._cached_tokens,
             )
 
 
