@@ -9,6 +9,7 @@ reason, at any other value: never silently ignored. Arguments inflight implement
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,17 +79,22 @@ VLLM_ONLY_ARGS: dict[str, Neutral] = {
 }
 
 
-def take_vllm_only_args(
-    options: dict[str, Any], defaults: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """``options`` without the vLLM-only arguments in it, each checked: a neutral value is
-    accepted (logged at INFO with what inflight does instead), any other raises
-    ``ValueError`` naming the argument and the reason. An option in ``defaults`` given
-    as None (vLLM's "unset", as scripts pass ``args.max_num_seqs`` through) is dropped, so
-    inflight's own default applies."""
+def take_vllm_only_args(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for :func:`inflight.config.make_engine_config`: each vLLM-only argument
+    checked and taken out (a neutral value is accepted, logged at INFO with what inflight
+    does instead; any other raises ``ValueError`` naming the argument and the reason), and
+    an option given as None where inflight's default is not None (vLLM's "unset", as
+    scripts pass ``args.max_num_seqs`` through) dropped, so that default applies."""
+    from inflight.config import make_engine_config
+
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(make_engine_config).parameters.items()
+        if name != "seed"  # seed=None means a fresh seed, not the default
+    }
     kept = {
         name: value for name, value in options.items()
-        if not (value is None and defaults is not None and defaults.get(name) is not None)
+        if not (value is None and defaults.get(name) is not None)
     }
     for name, rule in VLLM_ONLY_ARGS.items():
         if name not in kept:

@@ -34,7 +34,6 @@ strings, merging the children of an ``n > 1`` request) is ``output_processor.py`
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 from typing import Any
@@ -55,13 +54,14 @@ from inflight.engine.output_processor import (
 from inflight.engine.request_checks import (
     bad_words_token_ids,
     cache_salt_of,
+    check_priority,
     check_prompt_token_ids,
     check_token_options,
 )
 from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import StepTrace, record_step
 from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.sampling_params import SamplingParams
 from inflight.vllm_engine_args import take_vllm_only_args
 
 logger = logging.getLogger(__name__)
@@ -178,12 +178,7 @@ class LLMEngine:
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
         """vLLM-style options (:func:`make_engine_config`); vLLM-only ones such as
         ``tensor_parallel_size=1`` are accepted at neutral values (:mod:`inflight.vllm_engine_args`)."""
-        defaults = {
-            name: parameter.default
-            for name, parameter in inspect.signature(make_engine_config).parameters.items()
-            if name != "seed"  # seed=None means a fresh seed, not the default
-        }
-        return cls(make_engine_config(model, **take_vllm_only_args(options, defaults)))
+        return cls(make_engine_config(model, **take_vllm_only_args(options)))
 
     def _default_num_blocks(self, affordable: int, max_model_len: int) -> int:
         """The memory budget's worth of blocks, but no more than the batch can ever use."""
@@ -303,14 +298,7 @@ class LLMEngine:
         arrival_time: float | None, priority: int,
     ) -> tuple[Request, str | None]:
         """The checked request and its prompt text; raises ValueError, changing nothing."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
-        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
-            # vLLM's rule: a priority that would be ignored is an error, not a no-op.
-            raise InvalidRequestError(
-                f"Got priority {priority} but priority scheduling is not enabled "
-                "(scheduling_policy='priority')", "priority",
-            )
+        check_priority(priority, self.config.scheduler.scheduling_policy)
         if params.structured_outputs is not None:
             self.structured_output.validate(params.structured_outputs)
         check_token_options(params, self.vocab_size, self.config.max_logprobs)

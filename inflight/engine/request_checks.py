@@ -74,3 +74,15 @@ def cache_salt_of(prompt: Any) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
     return salt
+
+
+def check_priority(priority: Any, scheduling_policy: str) -> None:
+    """An integer, and 0 unless the policy is "priority": vLLM's rule, a priority that
+    would be ignored is an error, not a no-op."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+    if priority != 0 and scheduling_policy != "priority":
+        raise InvalidRequestError(
+            f"Got priority {priority} but priority scheduling is not enabled "
+            "(scheduling_policy='priority')", "priority",
+        )
