@@ -150,6 +150,50 @@ def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, offline: LLM) -> 
     assert pieces == pytest.approx([e.logprob for e in content], abs=TOL)
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(
+    client: openai.OpenAI, offline: LLM
+) -> None:
+    """vLLM's return_tokens_as_token_ids: each logprob token and top-logprob key is
+    "token_id:<id>" (the ids the offline engine sampled and ranked), streamed or not; the
+    values do not change, and chat's bytes stay the token's own text's."""
+    expected = offline.generate(PROMPT, params(4, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert expected.logprobs is not None
+    labels = [f"token_id:{t}" for t in expected.token_ids]
+    body: dict[str, Any] = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    for stream in (False, True):
+        response = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3,
+            stream=stream, extra_body=body,
+        )
+        chunks = list(response) if stream else [response]  # type: ignore[arg-type]
+        tokens: list[str] = []
+        tops: list[dict[str, float]] = []
+        for chunk in chunks:
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    tokens += choice.logprobs.tokens or []
+                    tops += choice.logprobs.top_logprobs or []
+        assert tokens == labels
+        for top, position in zip(tops, expected.logprobs, strict=True):
+            want = {f"token_id:{t}": lp.logprob for t, lp in position.items()}
+            assert top == pytest.approx(want, abs=TOL)
+    chat_expected = offline.chat(
+        MESSAGES, params(4, logprobs=2), use_tqdm=False, chat_template=CHAT_TEMPLATE
+    )[0].outputs[0]
+    assert chat_expected.logprobs is not None
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body=body,
+    ).choices[0]
+    assert chat.logprobs is not None and chat.logprobs.content is not None
+    content = chat.logprobs.content
+    assert [e.token for e in content] == [f"token_id:{t}" for t in chat_expected.token_ids]
+    assert b"".join(bytes(e.bytes or []) for e in content).decode() == chat_expected.text
+    for entry, position in zip(content, chat_expected.logprobs, strict=True):
+        ranked = sorted((lp.rank or 0, t) for t, lp in position.items() if lp.rank)
+        assert [t.token for t in entry.top_logprobs] == [f"token_id:{t}" for _, t in ranked[:2]]
+
+
 def test_n3_completions_match_offline_streamed_or_not(client: openai.OpenAI, offline: LLM) -> None:
     sampling = params(8, n=3, temperature=1.0, seed=123)
     expected = offline.generate(PROMPT, sampling, use_tqdm=False)[0]

@@ -35,6 +35,12 @@ def _text(token_id: int, entry: Logprob | None, decode: Decode) -> str:
     return decode(token_id)
 
 
+def token_id_label(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids`` form of a logprob's token: a string that names
+    the token even where its text is not valid UTF-8 on its own."""
+    return f"token_id:{token_id}"
+
+
 @dataclass(slots=True)
 class CompletionLogprobsBuilder:
     """Builds one choice's completions ``logprobs`` a piece at a time (streaming sends
@@ -42,6 +48,12 @@ class CompletionLogprobsBuilder:
 
     decode: Decode
     offset: int = 0  # where the next token starts in the choice's text
+    # return_tokens_as_token_ids: tokens as "token_id:<id>"; text_offset then runs over
+    # those strings, as in vLLM
+    as_token_ids: bool = False
+
+    def _label(self, token_id: int, entry: Logprob | None) -> str:
+        return token_id_label(token_id) if self.as_token_ids else _text(token_id, entry, self.decode)
 
     def prompt(
         self, token_ids: Sequence[int], prompt_logprobs: PromptLogprobs
@@ -66,7 +78,7 @@ class CompletionLogprobsBuilder:
         self, out: CompletionLogprobs, token_id: int, position: PositionLogprobs | None
     ) -> None:
         entry = None if position is None else position.get(token_id)
-        text = _text(token_id, entry, self.decode)
+        text = self._label(token_id, entry)
         out.tokens.append(text)
         out.text_offset.append(self.offset)
         self.offset += len(text)
@@ -76,7 +88,7 @@ class CompletionLogprobsBuilder:
             return
         out.token_logprobs.append(_clamp(entry.logprob))
         out.top_logprobs.append(
-            {_text(t, lp, self.decode): _clamp(lp.logprob) for t, lp in position.items()}
+            {self._label(t, lp): _clamp(lp.logprob) for t, lp in position.items()}
         )
 
 
@@ -91,10 +103,17 @@ def merge(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
 
 
 def chat_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int, decode: Decode
+    token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int, decode: Decode,
+    as_token_ids: bool = False,
 ) -> list[ChatTokenLogprob]:
     """OpenAI's chat ``logprobs.content``: per token its logprob, UTF-8 bytes and the
-    ``top`` most likely tokens, best first."""
+    ``top`` most likely tokens, best first. ``as_token_ids`` (vLLM's
+    ``return_tokens_as_token_ids``): each ``token`` is "token_id:<id>"; ``bytes`` stay the
+    token's own text's."""
+
+    def label(token_id: int, text: str) -> str:
+        return token_id_label(token_id) if as_token_ids else text
+
     content: list[ChatTokenLogprob] = []
     for token_id, position in zip(token_ids, logprobs, strict=True):
         entry = position.get(token_id)
@@ -105,12 +124,12 @@ def chat_logprobs(
         )[:top]
         content.append(
             ChatTokenLogprob(
-                token=text,
+                token=label(token_id, text),
                 logprob=_FLOOR if entry is None else _clamp(entry.logprob),
                 bytes=list(text.encode("utf-8")),
                 top_logprobs=[
                     TopLogprob(
-                        token=(t_text := _text(t, lp, decode)),
+                        token=label(t, t_text := _text(t, lp, decode)),
                         logprob=_clamp(lp.logprob),
                         bytes=list(t_text.encode("utf-8")),
                     )

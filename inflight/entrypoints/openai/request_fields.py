@@ -111,7 +111,9 @@ _SHARED: dict[str, Treatment] = {
     "priority": Implemented("scheduling priority (lower first) with --scheduling-policy priority"),
     "request_id": Implemented("the response's id (cmpl-/chatcmpl- + request_id)"),
     "session_id": Implemented("accepted: a routing hint for multi-server setups, no effect here"),
-    "return_tokens_as_token_ids": Refused(f"token ids as logprob tokens are {_LATER}"),
+    "return_tokens_as_token_ids": Implemented(
+        'logprob tokens (and top-logprob keys) as "token_id:<id>" strings'
+    ),
     "return_token_ids": Implemented("prompt_token_ids and token_ids in the response"),
     "routed_experts_prompt_start": Refused("this model has no experts (MoE)"),
     "return_token_offsets": Implemented(

@@ -212,6 +212,7 @@ class _Reply:
     num_prompt_tokens: int
     n: int = 1
     top_logprobs: int | None = None  # with logprobs: how many alternatives per token
+    as_token_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     decode: Callable[[int], str] = str
     tools: Sequence[FunctionTool] = ()
     tool_choice: ToolChoice = ToolChoice("none")
@@ -226,7 +227,9 @@ class _Reply:
         if self.top_logprobs is None:
             return None
         return ChatChoiceLogprobs(
-            content=chat_logprobs(token_ids, logprobs or [], self.top_logprobs, self.decode)
+            content=chat_logprobs(
+                token_ids, logprobs or [], self.top_logprobs, self.decode, self.as_token_ids
+            )
         )
 
 
@@ -254,6 +257,7 @@ def _reply(
         num_prompt_tokens=len(token_ids),
         n=n,
         top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        as_token_ids=bool(request.return_tokens_as_token_ids),
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=request.parallel_tool_calls is not False,

@@ -115,6 +115,7 @@ async def _serve(state: ServerState, request: CompletionRequest, arrival_time: f
         logprobs=request.logprobs is not None,
         echo_logprobs=echo_logprobs(request),
         decode=lambda token_id: str(tokenizer.decode([token_id])),
+        as_token_ids=bool(request.return_tokens_as_token_ids),
     )
     if request.stream:
         usage = _StreamUsage(request.include_usage, request.continuous_usage)
@@ -145,6 +146,10 @@ class _Reply:
     logprobs: bool  # the choices carry OpenAI's logprobs object
     echo_logprobs: bool  # ... starting with the echoed prompt's tokens
     decode: Callable[[int], str]  # one token's text
+    as_token_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
+
+    def logprobs_builder(self) -> CompletionLogprobsBuilder:
+        return CompletionLogprobsBuilder(self.decode, as_token_ids=self.as_token_ids)
 
     def prompt_token_ids(self, prompt: int) -> list[int] | None:
         return self.prompt_ids[prompt] if self.return_token_ids else None
@@ -223,7 +228,7 @@ def _choices(reply: _Reply, prompt: int, result: Collected) -> list[CompletionCh
             text=reply.echoes[prompt] + completion.text,
             logprobs=_choice_logprobs(
                 reply,
-                CompletionLogprobsBuilder(reply.decode),
+                reply.logprobs_builder(),
                 prompt,
                 result.prompt_logprobs,
                 completion,
@@ -292,7 +297,7 @@ class _StreamState:
         self.started.add(index)
         if delta.finish_reason is not None:
             self.ended.add(index)
-        builder = self.builders.setdefault(index, CompletionLogprobsBuilder(reply.decode))
+        builder = self.builders.setdefault(index, reply.logprobs_builder())
         return CompletionChoice(
             index=index,
             # the prompt is echoed once, in the choice's first chunk
