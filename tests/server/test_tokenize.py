@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import CHAT_TEMPLATE, ServerProcess
+from server_harness import API_KEY, CHAT_TEMPLATE, ServerProcess
 from transformers import AutoTokenizer
 
 MESSAGES = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4 w5"}]
@@ -57,9 +57,35 @@ def test_continue_final_message(tiny_server: ServerProcess, tokenizer: Any) -> N
     assert both.status_code == 400 and "continue_final_message" in both.text
 
 
+def test_tools_count_as_the_chat_endpoint_counts_them(tiny_server: ServerProcess) -> None:
+    """(Was refused.) Messages with tools tokenize to what a chat request with the same
+    tools is charged as prompt tokens (the tools rendered into the prompt), more than
+    without them; tools with a plain prompt, or malformed, are 400s naming tools."""
+    tools = [{
+        "type": "function",
+        "function": {"name": "lookup", "description": "w7 w8",
+                     "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
+    }]
+    with_tools = tokenize(tiny_server, messages=MESSAGES[:1], tools=tools)
+    assert with_tools.status_code == 200, with_tools.text
+    plain = tokenize(tiny_server, messages=MESSAGES[:1]).json()["count"]
+    assert with_tools.json()["count"] > plain
+    chat = httpx.post(
+        f"{tiny_server.url}/v1/chat/completions",
+        json={"model": "tiny", "messages": MESSAGES[:1], "tools": tools, "max_tokens": 1},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == with_tools.json()["count"]
+    for body in ({"prompt": "w3", "tools": tools},
+                 {"messages": MESSAGES[:1], "tools": [{"type": "function"}]}):
+        response = tokenize(tiny_server, **body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
 def test_refused_and_model(tiny_server: ServerProcess) -> None:
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    response = tokenize(tiny_server, messages=MESSAGES[:1], tools=tools)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    response = tokenize(tiny_server, messages=MESSAGES[:1], mm_processor_kwargs={"size": 1})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "mm_processor_kwargs"
     assert tokenize(tiny_server, prompt="w3", model="").status_code == 200
     assert tokenize(tiny_server, prompt="w3", model="nope").status_code == 404

@@ -70,6 +70,7 @@ from inflight.entrypoints.openai.serving_chat import (
     render_messages,
 )
 from inflight.entrypoints.openai.serving_completions import create_completion
+from inflight.entrypoints.openai.tool_calls import parse_tools
 from inflight.metrics.prometheus import PrometheusMetrics
 from inflight.model.gguf_tokenizer import hf_tokenizer
 
@@ -243,6 +244,8 @@ def tokenize_request(state: ServerState, request: TokenizeRequest) -> TokenizeRe
     tokenizer = state.engine.tokenizer
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("Pass exactly one of 'prompt' and 'messages'.", "prompt")
+    if request.tools is not None and request.messages is None:
+        raise bad_request("'tools' are rendered with chat 'messages', not a 'prompt'.", "tools")
     if request.messages is not None:
         options = chat_options(
             chat_template=request.chat_template,
@@ -252,7 +255,8 @@ def tokenize_request(state: ServerState, request: TokenizeRequest) -> TokenizeRe
             chat_template_kwargs=request.chat_template_kwargs,
             documents=request.documents,
         )
-        tokens = render_messages(state, request.messages, options).prompt_token_ids
+        tools = parse_tools(request.tools)  # rendered as the chat endpoint renders them
+        tokens = render_messages(state, request.messages, options, tools).prompt_token_ids
     else:
         add_special = True if request.add_special_tokens is None else request.add_special_tokens
         tokens = list(tokenizer.encode(request.prompt, add_special_tokens=add_special))

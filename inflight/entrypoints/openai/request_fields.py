@@ -204,7 +204,7 @@ TOKENIZE_FIELDS: dict[str, Treatment] = {
     "chat_template": Implemented("a Jinja template overriding the model's"),
     "chat_template_kwargs": Implemented("passed to the chat template"),
     "documents": Implemented("passed to the chat template"),
-    "tools": Refused(f"tool calling is {_LATER}"),
+    "tools": Implemented("function tools, rendered with the messages as the chat endpoint does"),
     "mm_processor_kwargs": Refused(_TEXT_ONLY),
     "media_io_kwargs": Refused(_TEXT_ONLY),
 }
