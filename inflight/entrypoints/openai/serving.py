@@ -135,7 +135,12 @@ def engine_failure(error: Exception) -> OpenAIError:
     """An engine-side failure while a request was running is a 500, ours not the client's
     (except a request whose own parameters left no token to sample: a 400);
     a request that passed its deadline is a 504; a dead data-parallel replica is a 503
-    (the service is still up: retry)."""
+    (the service is still up: retry). A dropped stream of a request the server itself reads
+    (not streamed) means the server fell behind: a 503, retry."""
+    if isinstance(error, StreamDroppedError):
+        return OpenAIError(
+            503, f"The server fell behind reading this request's output: {error}", SERVER_ERROR
+        )
     if isinstance(error, StepRefusedError):
         return error.openai_error
     if isinstance(error, RequestTimeoutError):
@@ -162,40 +167,62 @@ async def add_requests(
 ) -> list[RequestStream]:
     """Add one engine request per prompt; all or none are kept.
 
+    Every prompt is queued before any acceptance is awaited, so the engine takes a
+    request's prompts in one step, as it takes concurrent requests (one at a time, a
+    batch of N prompts took N steps to admit, and the first prompts' output piled up
+    unread meanwhile).
+
     Engine ids are ``base_id-i-<random>``: ``base_id`` may come from the client (vLLM's
     ``request_id``), so it alone need not be unique. An engine refusal of the logprobs
     count names ``logprobs_param`` (chat calls it ``top_logprobs``).
     """
-    streams: list[RequestStream] = []
     suffix = uuid.uuid4().hex[:8]
-    try:
-        for index, (text, token_ids) in enumerate(prompts):
-            streams.append(
-                await engine.add_request(
-                    f"{base_id}-{index}-{suffix}",
-                    {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": cache_salt},
-                    params,
-                    priority=priority,
-                    arrival_time=arrival_time,
-                    request_timeout=request_timeout,
-                )
+    adds = [
+        asyncio.ensure_future(
+            engine.add_request(
+                f"{base_id}-{index}-{suffix}",
+                {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": cache_salt},
+                params,
+                priority=priority,
+                arrival_time=arrival_time,
+                request_timeout=request_timeout,
             )
-    except BaseException as error:
+        )
+        for index, (text, token_ids) in enumerate(prompts)
+    ]
+    # Cancelling this gather cancels every add, and a cancelled add aborts its request.
+    results = await asyncio.gather(*adds, return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is None:
+        return streams
+    for stream in streams:
+        stream.close()
+    if isinstance(error, EngineShutdownError):
+        raise OpenAIError(503, "The server is shutting down.", SERVER_ERROR) from error
+    if isinstance(error, EngineOverloadedError):
+        raise overloaded(f"The server is overloaded: {error}") from error
+    if isinstance(error, EngineDeadError):
+        raise OpenAIError(503, str(error), SERVER_ERROR) from error
+    if isinstance(error, (ValueError, TypeError)):
+        openai_error = from_engine_error(error)
+        if openai_error.param == "logprobs":
+            openai_error.param = logprobs_param
+        raise openai_error from error
+    raise error
+
+
+async def collect_all(streams: Sequence[RequestStream], n: int) -> list[Collected]:
+    """:func:`collect` of every stream at once (one request's prompts); if one fails, the
+    others are cancelled and aborted too, not left generating for nobody."""
+    tasks = [asyncio.ensure_future(collect(stream, n)) for stream in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
         for stream in streams:
             stream.close()
-        if isinstance(error, EngineShutdownError):
-            raise OpenAIError(503, "The server is shutting down.", SERVER_ERROR) from error
-        if isinstance(error, EngineOverloadedError):
-            raise overloaded(f"The server is overloaded: {error}") from error
-        if isinstance(error, EngineDeadError):
-            raise OpenAIError(503, str(error), SERVER_ERROR) from error
-        if isinstance(error, (ValueError, TypeError)):
-            openai_error = from_engine_error(error)
-            if openai_error.param == "logprobs":
-                openai_error.param = logprobs_param
-            raise openai_error from error
-        raise
-    return streams
 
 
 @dataclass(slots=True)

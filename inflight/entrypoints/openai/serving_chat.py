@@ -267,7 +267,7 @@ def _reply(
 async def _complete(reply: _Reply, stream: RequestStream) -> Response:
     try:
         result = await collect(stream, reply.n)
-    except EngineDeadError as error:
+    except (EngineDeadError, StreamDroppedError) as error:
         raise engine_failure(error) from error
     choices = []
     for completion in result.completions:

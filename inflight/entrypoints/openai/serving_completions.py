@@ -10,7 +10,6 @@ evaluation harnesses score (``max_tokens: 0`` returns the prompt alone).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ from inflight.entrypoints.openai.serving import (
     EngineStreamingResponse,
     ServerState,
     add_requests,
-    collect,
+    collect_all,
     engine_failure,
     json_response,
     merge_streams,
@@ -246,8 +245,8 @@ def _choices(reply: _Reply, prompt: int, result: Collected) -> list[CompletionCh
 
 async def _complete(reply: _Reply, streams: list[RequestStream]) -> Response:
     try:
-        results = await asyncio.gather(*(collect(s, reply.n) for s in streams))
-    except EngineDeadError as error:
+        results = await collect_all(streams, reply.n)
+    except (EngineDeadError, StreamDroppedError) as error:
         raise engine_failure(error) from error
     choices = [c for prompt, result in enumerate(results) for c in _choices(reply, prompt, result)]
     # OpenAI's usage: each prompt counted once, every completion's tokens counted.
