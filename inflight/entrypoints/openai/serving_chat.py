@@ -286,7 +286,9 @@ async def _complete(reply: _Reply, stream: RequestStream) -> Response:
                     tool_calls=[call.as_openai() for call in answer.calls],
                 ),
                 logprobs=reply.logprobs(completion.token_ids, completion.logprobs),
-                finish_reason=_finish_reason(completion.finish_reason, bool(answer.calls)),
+                finish_reason=_finish_reason(
+                    completion.finish_reason, bool(answer.calls), reply.tool_choice
+                ),
                 stop_reason=completion.stop_reason,
                 token_ids=completion.token_ids if reply.return_token_ids else None,
             )
@@ -313,9 +315,12 @@ def _chunk_choice(index: int, content: str, calls: list[dict[str, Any]]) -> Chat
     )
 
 
-def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
-    """OpenAI's ``tool_calls`` when an answer that ended normally holds tool calls."""
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def _finish_reason(reason: str | None, has_calls: bool, tool_choice: ToolChoice) -> str | None:
+    """OpenAI's ``tool_calls`` when an answer that ended normally holds tool calls, except
+    for a named ``tool_choice``: OpenAI (and vLLM since its PR 25054) says ``stop`` there."""
+    if has_calls and reason == "stop" and tool_choice.mode != "named":
+        return "tool_calls"
+    return reason
 
 
 async def _stream(
@@ -367,7 +372,7 @@ async def _stream(
                         yield chunk([_chunk_choice(index, content, calls)])
                     content, calls = rest, more
             finish_reason = (
-                _finish_reason(delta.finish_reason, tool_stream.has_calls)
+                _finish_reason(delta.finish_reason, tool_stream.has_calls, reply.tool_choice)
                 if delta.finish_reason is not None
                 else None
             )
