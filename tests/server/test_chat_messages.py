@@ -331,6 +331,14 @@ def test_server_continuous_usage_stats(tiny_server: ServerProcess) -> None:
     token_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert [c["usage"]["completion_tokens"] for c in token_chunks] == [1, 2, 3, 4, 5]
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {2}
+    # With n=2, each chunk counts its own choice's tokens (vLLM), the last chunk the sum.
+    body["n"] = 2
+    chunks = chunks_of(body)
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == index
+                and c["choices"][0]["delta"].get("content")]
+        assert [c["usage"]["completion_tokens"] for c in mine] == [1, 2, 3, 4, 5]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
 
 
 def test_a_request_template_needs_the_operator_s_trust(tiny_llama_dir: Path) -> None:

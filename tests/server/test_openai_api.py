@@ -219,3 +219,19 @@ def test_completion_token_ids_and_continuous_usage(
     extras = [c.choices[0].model_extra or {} for c in chunks]
     assert extras[0]["prompt_token_ids"] == expected.prompt_token_ids
     assert [e["token_ids"] for e in extras] == [[t] for t in expected.outputs[0].token_ids]
+    # Two prompts of different lengths: each chunk counts its own prompt and choice
+    # (vLLM's continuous usage), the include_usage chunk the totals.
+    second = offline.generate(PROMPTS[1], greedy(1), use_tqdm=False)[0]
+    lengths = [len(expected.prompt_token_ids), len(second.prompt_token_ids)]
+    assert lengths[0] != lengths[1]
+    *chunks, last = list(client.completions.create(
+        model="tiny", prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=3, temperature=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True},
+    ))
+    for index in (0, 1):
+        mine = [c.usage for c in chunks if c.choices[0].index == index]
+        assert [(u.prompt_tokens, u.completion_tokens) for u in mine] == [
+            (lengths[index], k) for k in (1, 2, 3)
+        ]
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (sum(lengths), 6)

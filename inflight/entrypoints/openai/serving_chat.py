@@ -331,17 +331,20 @@ async def _stream(
     cached_tokens = 0
     ended: set[int] = set()
 
-    def usage() -> UsageInfo:
-        return UsageInfo.of(reply.num_prompt_tokens, sum(completion_tokens), cached_tokens)
+    def usage(index: int | None = None) -> UsageInfo:
+        """The totals, or (continuous usage, vLLM's) the prompt and choice ``index``'s."""
+        tokens = sum(completion_tokens) if index is None else completion_tokens[index]
+        return UsageInfo.of(reply.num_prompt_tokens, tokens, cached_tokens)
 
     def chunk(choices: list[ChatChunkChoice], first: bool = False) -> str:
+        (choice,) = choices
         return sse(
             ChatCompletionChunk(
                 id=reply.request_id,
                 created=created,
                 model=reply.model,
                 choices=choices,
-                usage=usage() if continuous_usage else None,
+                usage=usage(choice.index) if continuous_usage else None,
                 prompt_token_ids=reply.prompt_token_ids if first else None,
                 prompt_text=reply.prompt_text if first else None,
             )

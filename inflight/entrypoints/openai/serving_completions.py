@@ -281,6 +281,15 @@ class _StreamState:
             sum(self.prompt_tokens), sum(self.completion_tokens.values()), sum(self.cached_tokens)
         )
 
+    def choice_usage(self, choice: CompletionChoice) -> UsageInfo:
+        """Continuous usage (vLLM's): the chunk's prompt and choice, not the totals."""
+        prompt = choice.index // self.reply.n
+        return UsageInfo.of(
+            self.prompt_tokens[prompt],
+            self.completion_tokens.get(choice.index, 0),
+            self.cached_tokens[prompt],
+        )
+
     def choice(self, prompt: int, delta: RequestDelta) -> CompletionChoice | None:
         """The chunk's choice for ``delta``; None when it adds nothing to an ended choice."""
         reply = self.reply
@@ -329,7 +338,7 @@ async def _stream(
                     created=created,
                     model=reply.model,
                     choices=[choice],
-                    usage=state.totals() if usage.continuous else None,
+                    usage=state.choice_usage(choice) if usage.continuous else None,
                 )
             )
         if usage.final:
