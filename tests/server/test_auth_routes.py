@@ -23,7 +23,7 @@ from starlette.routing import Route
 import inflight.entrypoints.openai.api_server as api_server
 
 # Open without a key, on purpose (none of them changes server state).
-OPEN_ROUTES = {"/health", "/metrics", "/version", "/openapi.json", "/tokenize", "/detokenize"}
+OPEN_ROUTES = {"/health", "/ping", "/metrics", "/version", "/openapi.json", "/tokenize", "/detokenize"}
 WRONG_CREDENTIALS: list[dict[str, str]] = [
     {},
     {"Authorization": ""},

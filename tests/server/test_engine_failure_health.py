@@ -106,9 +106,13 @@ def test_repeated_failures_mark_the_engine_unhealthy(server: InProcessServer) ->
     faults.failures = 1_000  # the forward keeps failing
     for _ in range(DEFAULT_MAX_CONSECUTIVE_STEP_FAILURES):
         assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.post(f"{server.url}/ping").status_code == 200
         assert_failed_with_reason(complete(server))
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503
+    # vLLM's /ping (GET or POST) answers as /health does.
+    assert httpx.get(f"{server.url}/ping").status_code == 503
+    assert httpx.post(f"{server.url}/ping").status_code == 503
     message = health.json()["error"]["message"]
     assert "unhealthy" in message and "injected forward fault" in message
     assert f"{DEFAULT_MAX_CONSECUTIVE_STEP_FAILURES} consecutive steps failed" in message

@@ -3,7 +3,7 @@
 Routes::
 
     POST /v1/completions  POST /v1/chat/completions  GET /v1/models   (API key, when set)
-    GET /health  GET /metrics  GET /version  POST /tokenize  POST /detokenize
+    GET /health  GET|POST /ping  GET /metrics  GET /version  POST /tokenize  POST /detokenize
     POST /reset_prefix_cache
 
 The app's lifespan starts the engine thread on uvicorn's event loop and stops it last.
@@ -169,7 +169,9 @@ def _v1_router(state: ServerState) -> APIRouter:
 def _service_router(state: ServerState, engine: ServedEngine, version: str) -> APIRouter:
     router = APIRouter()
 
+    # /ping is vLLM's (SageMaker's) name for the same check, by GET or POST.
     @router.get("/health")
+    @router.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         if isinstance(engine, AsyncLLMEngine):
             if not engine.is_healthy:
