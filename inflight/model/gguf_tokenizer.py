@@ -49,7 +49,7 @@ def build_gguf_tokenizer(
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable-character table that byte-level BPE vocabularies are spelt in."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
     printable += range(ord("®"), ord("ÿ") + 1)
@@ -67,7 +67,7 @@ def _byte_level_bpe(metadata: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types = metadata.get("tokenizer.ggml.token_type")
     token_types = [] if token_types is None else token_types.tolist()
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
 
     def respell(token: str) -> str:

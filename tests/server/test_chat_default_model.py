@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 
 import openai
+import pytest
 from server_harness import ServerProcess
 
 from inflight import LLM, SamplingParams
@@ -35,9 +36,13 @@ def reference_ids() -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_server_continue_final_message(start_server: Callable[..., ServerProcess]) -> None:
+@pytest.fixture(scope="module")
+def client(start_server: Callable[..., ServerProcess]) -> openai.OpenAI:
     server = start_server("--max-num-seqs", "4")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_server_continue_final_message(client: openai.OpenAI) -> None:
     response = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
         messages=MESSAGES,  # type: ignore[arg-type]
@@ -49,3 +54,29 @@ def test_server_continue_final_message(start_server: Callable[..., ServerProcess
     expected = LLM(max_num_seqs=4).generate({"prompt_token_ids": ids}, PARAMS, use_tqdm=False)[0]
     assert response.choices[0].message.content == expected.outputs[0].text != ""
     assert response.usage is not None and response.usage.prompt_tokens == len(ids)
+
+
+def test_logprob_bytes_join_into_characters_split_over_tokens(client: openai.OpenAI) -> None:
+    """OpenAI's logprob ``bytes`` are each token's own UTF-8 bytes, so joined they give
+    the text even where a character spans tokens (each such token's text alone is
+    U+FFFD; its bytes were U+FFFD's). The answer is forced to emoji and CJK by a choice."""
+    answer = "\U0001F600\U0001F603 ok \u65e5\u672c"
+    response = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Say it."}],
+        max_tokens=20,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"structured_outputs": {"choice": [answer]}},
+    )
+    choice = response.choices[0]
+    assert choice.message.content == answer
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert any(entry.token == "\ufffd" for entry in content)  # split characters
+    assert b"".join(bytes(entry.bytes or []) for entry in content).decode() == answer
+    for entry in content:
+        best = entry.top_logprobs[0]
+        if best.token == entry.token and "\ufffd" not in entry.token:
+            assert best.bytes == entry.bytes == list(entry.token.encode())

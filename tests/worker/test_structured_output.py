@@ -23,9 +23,9 @@ def byte_tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from inflight.model.gguf_tokenizer import _byte_alphabet
+    from inflight.model.gguf_tokenizer import byte_alphabet
 
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     core = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()

@@ -18,6 +18,7 @@ from inflight.entrypoints.openai.protocol import (
     PromptLogprobsBody,
     TopLogprob,
 )
+from inflight.model.token_bytes import TokenBytes
 from inflight.outputs import Logprob, PositionLogprobs, PromptLogprobs
 
 _FLOOR = -9999.0
@@ -104,15 +105,21 @@ def merge(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
 
 def chat_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs], top: int, decode: Decode,
-    as_token_ids: bool = False,
+    as_token_ids: bool = False, raw_bytes: TokenBytes | None = None,
 ) -> list[ChatTokenLogprob]:
     """OpenAI's chat ``logprobs.content``: per token its logprob, UTF-8 bytes and the
-    ``top`` most likely tokens, best first. ``as_token_ids`` (vLLM's
-    ``return_tokens_as_token_ids``): each ``token`` is "token_id:<id>"; ``bytes`` stay the
-    token's own text's."""
+    ``top`` most likely tokens, best first. ``raw_bytes`` gives a token's own bytes (see
+    ``inflight.model.token_bytes``; joined, they are the answer's text even where a
+    character spans tokens), else the bytes of its text. ``as_token_ids`` (vLLM's
+    ``return_tokens_as_token_ids``): each ``token`` is "token_id:<id>"; ``bytes`` stay
+    the token's own."""
 
     def label(token_id: int, text: str) -> str:
         return token_id_label(token_id) if as_token_ids else text
+
+    def bytes_of(token_id: int, text: str) -> list[int]:
+        raw = raw_bytes(token_id) if raw_bytes is not None else None
+        return list(raw if raw is not None else text.encode("utf-8"))
 
     content: list[ChatTokenLogprob] = []
     for token_id, position in zip(token_ids, logprobs, strict=True):
@@ -126,12 +133,12 @@ def chat_logprobs(
             ChatTokenLogprob(
                 token=label(token_id, text),
                 logprob=_FLOOR if entry is None else _clamp(entry.logprob),
-                bytes=list(text.encode("utf-8")),
+                bytes=bytes_of(token_id, text),
                 top_logprobs=[
                     TopLogprob(
                         token=label(t, t_text := _text(t, lp, decode)),
                         logprob=_clamp(lp.logprob),
-                        bytes=list(t_text.encode("utf-8")),
+                        bytes=bytes_of(t, t_text),
                     )
                     for t, lp in best
                 ],

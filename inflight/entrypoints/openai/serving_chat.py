@@ -70,6 +70,7 @@ from inflight.entrypoints.openai.tool_calls import (
     template_knows_tools,
     tool_constraint,
 )
+from inflight.model.token_bytes import TokenBytes, token_bytes_of
 from inflight.outputs import SampleLogprobs
 
 
@@ -135,6 +136,7 @@ async def _serve(
     tokenizer = state.engine.tokenizer
     reply = _reply(request, request_id, model, rendered, token_ids, params.n, tools, tool_choice)
     reply.decode = lambda token_id: str(tokenizer.decode([token_id]))
+    reply.raw_bytes = token_bytes_of(tokenizer)
     if request.stream:
         events = _stream(reply, stream, request.include_usage, request.continuous_usage)
         return EngineStreamingResponse(events, [stream])
@@ -214,6 +216,7 @@ class _Reply:
     top_logprobs: int | None = None  # with logprobs: how many alternatives per token
     as_token_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     decode: Callable[[int], str] = str
+    raw_bytes: TokenBytes | None = None  # a token's own bytes, for logprobs' bytes
     tools: Sequence[FunctionTool] = ()
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
@@ -228,7 +231,8 @@ class _Reply:
             return None
         return ChatChoiceLogprobs(
             content=chat_logprobs(
-                token_ids, logprobs or [], self.top_logprobs, self.decode, self.as_token_ids
+                token_ids, logprobs or [], self.top_logprobs, self.decode, self.as_token_ids,
+                self.raw_bytes,
             )
         )
 
