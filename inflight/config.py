@@ -11,6 +11,10 @@ BATCHING_MODES = ("continuous", "static")
 # KV cache element type; "auto" follows the model's dtype, "int8" stores each token's K/V
 # per head as int8 with a float32 scale (half of bfloat16's bytes).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+_DTYPE_ALIASES = {
+    "half": "float16", "float16": "float16", "float": "float32", "float32": "float32",
+    "bfloat16": "bfloat16",
+}
 QUANTIZATION_MODES = (None, "gguf", "none", "w8a8")
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -179,9 +183,13 @@ class ModelConfig:
             isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
             f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
         )
+        # vLLM's other names for the same dtypes, and torch dtypes ("torch.float32").
+        dtype = str(self.dtype).removeprefix("torch.")
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(dtype, self.dtype))
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}",
+            f"dtype must be 'auto', 'float32' ('float'), 'bfloat16' or 'float16' ('half'), "
+            f"got {self.dtype!r}",
         )
         # The CPU kernels (fused RMSNorm, RoPE, GGUF matmul) take float32 and bfloat16 only:
         # float16 would load, then fail on every step. Only an explicit CUDA device runs it.

@@ -38,8 +38,8 @@ class CompletionOutput:
     # Why the request failed when finish_reason is "error" (only this request ended).
     error: str | None = None
 
-    @property
     def finished(self) -> bool:
+        """Whether this completion has ended (a method, as vLLM's)."""
         return self.finish_reason is not None
 
 

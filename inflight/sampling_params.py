@@ -52,7 +52,9 @@ class SamplingParams:
     ``repetition_penalty`` over prompt and generated tokens (HF / vLLM: a seen token's
     positive logit is divided by it, a negative one multiplied), ``frequency_penalty``
     (minus penalty x count) and ``presence_penalty`` (minus penalty once) over generated
-    tokens (OpenAI's definition).
+    tokens (OpenAI's definition). Random sampling then applies ``temperature``, ``min_p``,
+    ``top_k`` and ``top_p``, also in vLLM's order: ``top_p`` measures the mass of what
+    ``min_p`` and ``top_k`` left.
 
     ``n`` completions share the prompt (``seed + index`` seeds completion ``index``);
     ``best_of`` other than None or ``n`` is refused. ``logprobs=k`` returns, per generated

@@ -33,6 +33,7 @@ strings, merging the children of an ``n > 1`` request) is ``output_processor.py`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -238,6 +239,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        # The request's own copy (as vLLM clones it): the engine fills in fields (the bad
+        # words' token ids) that must follow the caller's later changes, not stick to them.
+        params = copy.copy(params)
         if request_id in self.output_processor.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
@@ -290,7 +294,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        one = child_params(params, 0) if params.n > 1 else params
+        one = child_params(params, 0) if params.n > 1 else copy.copy(params)
         self._build_request("\x00check", prompt, one, None, priority)
 
     def _build_request(
@@ -302,8 +306,9 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured_output.validate(params.structured_outputs)
         check_token_options(params, self.vocab_size, self.config.max_logprobs)
-        if params.bad_words and not params._bad_words_token_ids:
-            params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        params._bad_words_token_ids = (
+            bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        )
         text, token_ids = self.tokenize_prompt(prompt)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,

@@ -6,6 +6,7 @@ vocabulary size. Errors are :class:`InvalidRequestError` naming the field, worde
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,12 +39,22 @@ def check_token_options(params: SamplingParams, vocab_size: int, max_logprobs: i
     check_in_vocab(params.allowed_token_ids or [], vocab_size, "allowed_token_ids")
 
 
+def _is_integer(value: Any) -> bool:
+    """An int or an integer-like scalar (numpy's), never a bool (nor numpy's bool_)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def check_prompt_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     """A prompt given as token ids: a list of ints, each below the vocabulary size."""
-    if not isinstance(token_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-    ):
+    if not isinstance(token_ids, list) or not all(_is_integer(t) for t in token_ids):
         raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
+    token_ids = [operator.index(t) for t in token_ids]  # numpy integers as ints
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         # vLLM's wording ("Token id N is out of vocabulary"), plus the size.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -40,6 +42,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.llm_engine = LLMEngine.from_options(model, **options)
+        # One call steps the engine at a time: calls from several threads take turns (two
+        # stepping at once took each other's outputs, then waited for them for ever).
+        self._running = threading.Lock()
+        self._running_thread: int | None = None
 
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer (for a GGUF model, built on this first call:
@@ -63,8 +69,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. Calls from
+        several threads take turns (the engine runs one at a time); ``lora_request`` must
+        be None (no LoRA adapters)."""
+        _refuse_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params, len(prompt_list), "sampling_params")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
@@ -77,18 +87,35 @@ class LLM:
         messages: list[ChatMessage] | list[list[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template, then generate (as in vLLM).
+        """Render each conversation with the chat template, then generate (as in vLLM;
+        each output's ``prompt`` is the rendered text).
 
         ``continue_final_message=True`` (with ``add_generation_prompt=False``) leaves the
-        final assistant message open, so the model continues it. Messages take every
-        form OpenAI's API allows (see :mod:`inflight.entrypoints.chat_utils`); a message
-        the renderer refuses raises ``ValueError`` before any work starts.
+        final assistant message open, so the model continues it. ``tools`` (OpenAI's
+        function tools) are rendered as the server renders them: by a template that knows
+        tools, else as the Hermes tool prompt. Messages take every form OpenAI's API
+        allows (see :mod:`inflight.entrypoints.chat_utils`); a message or option the
+        renderer refuses raises ``ValueError`` before any work starts. vLLM's
+        ``lora_request`` and ``mm_processor_kwargs`` must be None (no adapters, text
+        only); ``chat_template_content_format`` "auto" or "string" (text parts joined).
         """
+        _refuse_lora(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported: this model reads text only")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(
+                "chat_template_content_format must be 'auto' or 'string' (text parts are "
+                f"joined into one string), got {chat_template_content_format!r}"
+            )
         conversations = (
             [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
@@ -99,10 +126,12 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
         )
         tokenizer = self.llm_engine.tokenizer
-        prompts: list[PromptInput] = [
-            {"prompt_token_ids": render_chat(tokenizer, c, options).prompt_token_ids}  # type: ignore[arg-type]
-            for c in conversations
-        ]
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            dicts, with_tools = _with_tools(tokenizer, list(conversation), options, tools)
+            rendered = render_chat(tokenizer, dicts, with_tools)
+            prompts.append({"prompt": rendered.prompt,
+                            "prompt_token_ids": rendered.prompt_token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(
@@ -168,6 +197,29 @@ class LLM:
         limit refuses a request at once, but a batch call must not fail because of it);
         without it, all are queued at once. A request the engine refuses as bad aborts
         the ones already added and raises."""
+        with self._exclusive():
+            return self._run_alone(prompts, params, priorities, use_tqdm)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """This thread's turn at the engine; a call from inside a running one (say, from
+        a logits processor) cannot wait for itself, so it raises."""
+        if self._running_thread == threading.get_ident():
+            raise RuntimeError(
+                "LLM.generate was called from inside a running LLM call on the same thread "
+                "(e.g. from a logits processor); that call cannot finish first"
+            )
+        with self._running:
+            self._running_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._running_thread = None
+
+    def _run_alone(
+        self, prompts: list[PromptInput], params: list[SamplingParams | None],
+        priorities: list[int], use_tqdm: bool,
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Check everything first (tokens, options, lengths), so a bad request rejects the
         # call before any work, even when max_waiting_requests feeds the rest later.
@@ -208,6 +260,30 @@ class LLM:
             engine.abort_request([i for i in ids if i not in finished])
             raise
         return [finished[i] for i in ids]
+
+
+def _refuse_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: this engine serves no LoRA adapters")
+
+
+def _with_tools(
+    tokenizer: Any, messages: list[ChatMessage], options: ChatOptions,
+    tools: list[dict[str, Any]] | None,
+) -> tuple[list[ChatMessage], ChatOptions]:
+    """The messages and options that render ``tools`` as the server does; bad tools raise
+    ``ValueError`` naming them."""
+    if not tools:
+        return messages, options
+    from inflight.entrypoints.openai.errors import OpenAIError
+    from inflight.entrypoints.openai.tool_calls import apply_tools, parse_tools
+
+    try:
+        parsed = parse_tools(tools)
+    except OpenAIError as error:
+        raise ValueError(str(error)) from None
+    template = options.chat_template or getattr(tokenizer, "chat_template", None)
+    return apply_tools(messages, options, parsed, template)
 
 
 def _step_logprobs(output: RequestOutput) -> dict[Any, Any]:

@@ -1,7 +1,9 @@
 """Batched sampling from the logits of the sequences that sample this step.
 
-Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
-draw by inverse transform sampling: one uniform number per row, located in the row's
+Greedy rows take the argmax. Random rows apply temperature, min-p, top-k and top-p, in
+vLLM's order (min-p is one of its logits processors, applied before its top-k/top-p
+sampler, so top-p measures the mass of what min-p and top-k left), then draw by inverse
+transform sampling: one uniform number per row, located in the row's
 cumulative distribution (float64, so that even the vocabulary's least likely tokens keep
 their probability). Rows with a ``seed`` draw their number from their own generator, so
 their tokens do not depend on what else is in the batch. (The exponential race that GPU
@@ -81,9 +83,9 @@ class Sampler:
         logits, empty = _limit_of_softmax(logits)
         for row in empty:  # its (meaningless) token is drawn from zeros: in range
             failed[request_ids[row]] = _NO_TOKEN_MESSAGE
+        logits = _apply_min_p(logits, [p.min_p for p in params])
         logits = _apply_top_k(logits, [p.top_k for p in params])
-        probs = logits.softmax(dim=-1)
-        probs = _apply_top_p_min_p(probs, [p.top_p for p in params], [p.min_p for p in params])
+        probs = _apply_top_p(logits.softmax(dim=-1), [p.top_p for p in params])
         uniform = torch.rand(len(params), dtype=torch.float64, device=logits.device)
         for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
             if p.seed is not None:
@@ -197,21 +199,27 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _apply_top_p_min_p(
-    probs: torch.Tensor, top_p: list[float], min_p: list[float]
-) -> torch.Tensor:
-    if any(p < 1.0 for p in top_p):
-        p_tensor = torch.tensor(top_p, device=probs.device).unsqueeze(1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep a token if the mass strictly before it is below top_p; the most likely
-        # always stays, even for a top_p that rounds to 0 in float32 (e.g. 1e-300)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= p_tensor
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-    if any(p > 0.0 for p in min_p):
-        m_tensor = torch.tensor(min_p, device=probs.device).unsqueeze(1)
-        floor = probs.max(dim=-1, keepdim=True).values * m_tensor
-        probs = probs.masked_fill(probs < floor, 0.0)
-    return probs
+def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """-inf for each token less likely than ``min_p`` times its row's most likely one."""
+    if not any(p > 0.0 for p in min_p):
+        return logits
+    m_tensor = torch.tensor(min_p, device=logits.device).unsqueeze(1)
+    probs = logits.softmax(dim=-1)
+    floor = probs.max(dim=-1, keepdim=True).values * m_tensor
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def _apply_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Zero every token outside the smallest set, most likely first, holding ``top_p`` of
+    the row's mass (``probs`` normalised over what min-p and top-k left)."""
+    if not any(p < 1.0 for p in top_p):
+        return probs
+    p_tensor = torch.tensor(top_p, device=probs.device).unsqueeze(1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # keep a token if the mass strictly before it is below top_p; the most likely
+    # always stays, even for a top_p that rounds to 0 in float32 (e.g. 1e-300)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted = mass_before >= p_tensor
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return probs.masked_fill(drop, 0.0)

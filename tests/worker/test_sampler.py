@@ -87,6 +87,27 @@ def test_min_p_drops_unlikely_tokens():
     assert tokens == {5, 0}
 
 
+def test_top_p_measures_what_min_p_left_as_vllm_orders_them():
+    """vLLM applies min-p before top-k/top-p (a user's report: with both set, tokens vLLM
+    never samples were drawn 40% of the time). Here p = 0.40, 0.28, 0.27, 0.05: min_p=0.5
+    keeps the first three, whose renormalised masses are 0.42, 0.29, 0.28, so top_p=0.41
+    keeps only the first; applied to the whole row, it keeps two (0.40 before the second
+    is below 0.41)."""
+    probs = torch.tensor([0.40, 0.28, 0.27, 0.05])
+    logits = probs.log().unsqueeze(0)
+    sampler = Sampler(torch.device("cpu"))
+    both = SamplingParams(temperature=1.0, min_p=0.5, top_p=0.41)
+    out = sampler.sample(logits.repeat(400, 1), [f"r{i}" for i in range(400)], [both] * 400)
+    assert set(out.token_ids) == {0}
+    # Each alone keeps what it should: top_p=0.41 two tokens, min_p=0.5 three.
+    alone = sampler.sample(logits.repeat(2000, 1), [f"t{i}" for i in range(2000)],
+                           [SamplingParams(temperature=1.0, top_p=0.41)] * 2000)
+    assert set(alone.token_ids) == {0, 1}
+    alone = sampler.sample(logits.repeat(2000, 1), [f"m{i}" for i in range(2000)],
+                           [SamplingParams(temperature=1.0, min_p=0.5)] * 2000)
+    assert set(alone.token_ids) == {0, 1, 2}
+
+
 def test_seeded_requests_repeat_and_ignore_batch_neighbours(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), max_num_seqs=8)
     prompt = {"prompt_token_ids": [10, 11, 12, 13]}

@@ -63,11 +63,10 @@ from inflight.entrypoints.openai.tool_calls import (
     FunctionTool,
     ToolCallStreamer,
     ToolChoice,
+    apply_tools,
     parse_answer,
     parse_tool_choice,
     parse_tools,
-    render_tool_messages,
-    template_knows_tools,
     tool_constraint,
 )
 from inflight.model.token_bytes import TokenBytes, token_bytes_of
@@ -176,11 +175,7 @@ def render_messages(
     if options.chat_template is None and state.config.chat_template is not None:
         options = _with_template(options, state.config.chat_template)
     template = options.chat_template or getattr(state.engine.tokenizer, "chat_template", None)
-    dicts = [m.as_dict() for m in messages]
-    if template_knows_tools(template):
-        options = replace(options, tools=[t.as_openai() for t in tools] or None)
-    else:
-        dicts = render_tool_messages(dicts, tools)
+    dicts, options = apply_tools([m.as_dict() for m in messages], options, tools, template)
     try:
         return render_chat(state.engine.tokenizer, dicts, options)
     except ValueError as error:

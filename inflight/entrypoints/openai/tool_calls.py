@@ -26,9 +26,10 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from inflight.entrypoints.chat_utils import ChatOptions
 from inflight.entrypoints.openai.errors import bad_request
 from inflight.entrypoints.openai.structured import checked
 from inflight.sampling_params import StructuredOutputsParams
@@ -183,6 +184,18 @@ def default_tool_prompt(tools: Sequence[FunctionTool]) -> str:
 
 def template_knows_tools(template: str | None) -> bool:
     return bool(template) and "tools" in str(template)
+
+
+def apply_tools(
+    messages: list[dict[str, Any]], options: ChatOptions, tools: Sequence[FunctionTool],
+    template: str | None,
+) -> tuple[list[dict[str, Any]], ChatOptions]:
+    """The messages and render options for ``tools``: a ``template`` (the one that will
+    render) that knows tools gets them as its ``tools`` variable; any other, the default
+    Hermes rendering in the messages (:func:`render_tool_messages`)."""
+    if template_knows_tools(template):
+        return messages, replace(options, tools=[t.as_openai() for t in tools] or None)
+    return render_tool_messages(messages, tools), options
 
 
 def render_tool_messages(
