@@ -303,7 +303,9 @@ def test_priority_without_priority_scheduling_is_refused(tiny_server: ServerProc
     "tool_calls",
     ["x", [5], [{"type": "function", "function": {}}],
      [{"type": "function", "function": {"name": 7, "arguments": "{}"}}],
-     [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]],
+     [{"type": "code", "function": {"name": "f", "arguments": "{}"}}],
+     # arguments that are not JSON text (vLLM parses them before rendering: a 400)
+     [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]],
 )
 def test_malformed_assistant_tool_calls_are_refused(tiny_server: ServerProcess, tool_calls: Any) -> None:
     """OpenAI's shape for an earlier call: [{"id", "type": "function", "function": {"name",
@@ -314,3 +316,13 @@ def test_malformed_assistant_tool_calls_are_refused(tiny_server: ServerProcess, 
                     {"model": "tiny", "messages": messages, "max_tokens": 2})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith("messages")
+
+
+def test_empty_tool_call_arguments_are_an_empty_object(tiny_server: ServerProcess) -> None:
+    """vLLM's reading of "" (or no arguments): {}."""
+    call = {"type": "function", "function": {"name": "f", "arguments": ""}}
+    messages = [{"role": "user", "content": "w3"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "user", "content": "w4"}]
+    response = post(tiny_server, "/v1/chat/completions",
+                    {"model": "tiny", "messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text

@@ -12,11 +12,12 @@ Responses carry vLLM's fields even when null (``stop_reason``, ``prompt_logprobs
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Any ints: a negative id is out of vocabulary (params.check_prompt_ids says so), not a
 # prompt of the wrong type.
@@ -130,6 +131,19 @@ class ContentPart(_Request):
 class CalledFunction(_Request):
     name: str
     arguments: str | dict[str, Any] = "{}"  # OpenAI's JSON text; an object is taken too
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_arguments(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        """JSON text, as vLLM requires before rendering (it parses them; "" means {})."""
+        if isinstance(value, str):
+            if not value.strip():
+                return "{}"
+            try:
+                json.loads(value)
+            except ValueError as error:
+                raise ValueError(f"function arguments must be JSON text: {error}") from None
+        return value
 
 
 class MessageToolCall(_Request):
