@@ -305,7 +305,8 @@ def test_priority_without_priority_scheduling_is_refused(tiny_server: ServerProc
      [{"type": "function", "function": {"name": 7, "arguments": "{}"}}],
      [{"type": "code", "function": {"name": "f", "arguments": "{}"}}],
      # arguments that are not JSON text (vLLM parses them before rendering: a 400)
-     [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]],
+     [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+     [{"type": "function", "function": {"name": "f", "arguments": "  "}}]],
 )
 def test_malformed_assistant_tool_calls_are_refused(tiny_server: ServerProcess, tool_calls: Any) -> None:
     """OpenAI's shape for an earlier call: [{"id", "type": "function", "function": {"name",

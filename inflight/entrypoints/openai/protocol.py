@@ -137,7 +137,7 @@ class CalledFunction(_Request):
     def _json_arguments(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
         """JSON text, as vLLM requires before rendering (it parses them; "" means {})."""
         if isinstance(value, str):
-            if not value.strip():
+            if not value:
                 return "{}"
             try:
                 json.loads(value)
