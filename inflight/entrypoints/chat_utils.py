@@ -5,8 +5,12 @@ so all three build the same prompt from the same messages. Messages follow OpenA
 shapes, rendered as vLLM renders them for a text-only model:
 
 - ``content`` is a string, a list of content parts, or ``None`` (assistant messages only,
-  rendered as ``""``). Text parts are joined with ``"\\n"`` (vLLM and llama.cpp); any other
-  part type (``image_url``, ``input_audio``, ...) is refused by name.
+  rendered as ``""``). Any part type but ``text`` (``image_url``, ``input_audio``, ...) is
+  refused by name. What the template sees is vLLM's ``chat_template_content_format``:
+  ``"string"`` joins the text parts with ``"\\n"`` (vLLM and llama.cpp); ``"openai"`` gives
+  it a list of ``{"type": "text", "text": ...}`` parts, a string content as one part;
+  ``"auto"`` (the default) picks ``"openai"`` for a template that loops over a message's
+  ``content`` (as vLLM detects it, from the template's syntax tree), else ``"string"``.
 - ``role`` is any string: the template decides what it can render (a template that raises
   on an unknown role becomes a clear error). ``developer``, OpenAI's newer name for
   ``system``, is renamed ``system`` when the template never mentions ``developer``.
@@ -22,6 +26,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import jinja2
+import jinja2.nodes
+
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 # apply_chat_template's own arguments: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -65,8 +74,14 @@ class ChatOptions:
     chat_template_kwargs: Mapping[str, Any] | None = None
     documents: Sequence[Mapping[str, Any]] | None = None
     tools: Sequence[Mapping[str, Any]] | None = None  # for templates with a tool format
+    content_format: str = "auto"  # vLLM's chat_template_content_format (CONTENT_FORMATS)
 
     def __post_init__(self) -> None:
+        if self.content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {list(CONTENT_FORMATS)}, "
+                f"got {self.content_format!r}"
+            )
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
@@ -94,7 +109,8 @@ def render_chat(
         )
     if not isinstance(template, str):
         raise ValueError("This model has several named chat templates: pass chat_template.")
-    conversation = parse_messages(messages, template)
+    content_format = resolve_content_format(template, options.content_format)
+    conversation = parse_messages(messages, template, content_format)
     if options.continue_final_message and conversation[-1]["role"] != "assistant":
         raise ValueError(
             "continue_final_message needs the final message to be an assistant message "
@@ -117,14 +133,46 @@ def render_chat(
     return RenderedChat(prompt=prompt, prompt_token_ids=token_ids, conversation=conversation)
 
 
-def parse_messages(messages: Sequence[Mapping[str, Any]], template: str) -> list[dict[str, Any]]:
-    """OpenAI-shaped messages -> the plain ``{role, content: str, ...}`` dicts templates read."""
+def resolve_content_format(template: str, requested: str = "auto") -> str:
+    """``"string"`` or ``"openai"``: ``requested`` unless it is ``"auto"``, then
+    ``"openai"`` exactly when the template loops over a message's ``content``
+    (``{% for part in message['content'] %}``, ``message.content | selectattr(...)``).
+    A template Jinja cannot parse counts as ``"string"`` (rendering reports the error)."""
+    if requested != "auto":
+        return requested
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    loops = tree.find_all(jinja2.nodes.For)
+    return "openai" if any(_reads_content(loop.iter) for loop in loops) else "string"
+
+
+def _reads_content(node: jinja2.nodes.Node) -> bool:
+    """Whether the expression ``node`` is, or contains, ``x.content`` / ``x['content']``."""
+    for part in [node, *node.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))]:
+        if isinstance(part, jinja2.nodes.Getattr) and part.attr == "content":
+            return True
+        if isinstance(part, jinja2.nodes.Getitem) and isinstance(part.arg, jinja2.nodes.Const):
+            if part.arg.value == "content":
+                return True
+    return False
+
+
+def parse_messages(
+    messages: Sequence[Mapping[str, Any]], template: str, content_format: str = "string"
+) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages -> the plain ``{role, content, ...}`` dicts templates read;
+    ``content`` a string (``content_format="string"``) or a list of text parts
+    (``"openai"``)."""
     if isinstance(messages, (str, bytes)) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects.")
-    return [_parse_message(i, m, template) for i, m in enumerate(messages)]
+    return [_parse_message(i, m, template, content_format) for i, m in enumerate(messages)]
 
 
-def _parse_message(index: int, message: Mapping[str, Any], template: str) -> dict[str, Any]:
+def _parse_message(
+    index: int, message: Mapping[str, Any], template: str, content_format: str
+) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise ValueError(f"{where} must be an object with 'role' and 'content'.")
@@ -135,17 +183,22 @@ def _parse_message(index: int, message: Mapping[str, Any], template: str) -> dic
         role = "system"  # what OpenAI means by it, and what the template knows
     parsed = {k: v for k, v in message.items() if v is not None}
     parsed["role"] = role
-    parsed["content"] = _content_text(where, role, message.get("content"))
+    texts = _content_texts(where, role, message.get("content"))
+    if content_format == "openai":
+        parsed["content"] = [{"type": "text", "text": text} for text in texts]
+    else:
+        parsed["content"] = "\n".join(texts)
     return parsed
 
 
-def _content_text(where: str, role: str, content: Any) -> str:
+def _content_texts(where: str, role: str, content: Any) -> list[str]:
+    """The message's text parts: ``[]`` for a null assistant content, one for a string."""
     if content is None:
         if role != "assistant":
             raise ValueError(f"{where}: 'content' may be null only on assistant messages.")
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         raise ValueError(f"{where}: 'content' must be a string or a list of content parts.")
     texts: list[str] = []
@@ -161,4 +214,4 @@ def _content_text(where: str, role: str, content: Any) -> str:
         if not isinstance(text, str):
             raise ValueError(f"{where}: a 'text' content part needs a string 'text'.")
         texts.append(text)
-    return "\n".join(texts)
+    return texts

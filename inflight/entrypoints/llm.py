@@ -106,16 +106,12 @@ class LLM:
         allows (see :mod:`inflight.entrypoints.chat_utils`); a message or option the
         renderer refuses raises ``ValueError`` before any work starts. vLLM's
         ``lora_request`` and ``mm_processor_kwargs`` must be None (no adapters, text
-        only); ``chat_template_content_format`` "auto" or "string" (text parts joined).
+        only); ``chat_template_content_format`` is "auto", "string" (the template sees each
+        message's text parts joined) or "openai" (a list of text parts).
         """
         _refuse_lora(lora_request)
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs is not supported: this model reads text only")
-        if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(
-                "chat_template_content_format must be 'auto' or 'string' (text parts are "
-                f"joined into one string), got {chat_template_content_format!r}"
-            )
         conversations = (
             [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
@@ -124,6 +120,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            content_format=chat_template_content_format,
         )
         tokenizer = self.llm_engine.tokenizer
         prompts: list[PromptInput] = []

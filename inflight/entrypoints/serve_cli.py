@@ -15,6 +15,7 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from inflight.entrypoints.chat_utils import CONTENT_FORMATS
     from inflight.entrypoints.engine_args import add_engine_args
 
     parser = subparsers.add_parser(
@@ -44,6 +45,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chat-template",
         default=None,
         help="a Jinja chat template, or a file holding one, overriding the tokenizer's",
+    )
+    group.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=list(CONTENT_FORMATS),
+        help="what the template sees as a message's content: string (text parts joined "
+        "with newlines), openai (a list of {type: text, text} parts), or auto: openai for "
+        "a template that loops over content, else string",
     )
     group.add_argument(
         "--tool-call-parser",
@@ -147,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or [default_served_model_name(args.model)]),
         api_key=args.api_key or os.environ.get("INFLIGHT_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format,
         tool_call_parser=args.tool_call_parser,
         trust_request_chat_template=args.trust_request_chat_template,
     )

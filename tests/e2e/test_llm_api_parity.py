@@ -103,7 +103,7 @@ def test_vllm_s_neutral_arguments_are_accepted_and_others_refused(llm: LLM) -> N
                     chat_template_content_format="string")
     assert chat[0].outputs[0].finished()  # a method, as vLLM's CompletionOutput.finished
     for bad, match in (({"mm_processor_kwargs": {"size": 1}}, "mm_processor_kwargs"),
-                       ({"chat_template_content_format": "openai"},
+                       ({"chat_template_content_format": "markdown"},
                         "chat_template_content_format")):
         with pytest.raises(ValueError, match=match):
             llm.chat(messages, GREEDY, use_tqdm=False, chat_template=TEMPLATE, **bad)

@@ -18,7 +18,7 @@ from server_harness import API_KEY, CHAT_TEMPLATE, ServerProcess
 from transformers import AutoTokenizer
 
 from inflight import LLM, SamplingParams
-from inflight.entrypoints.chat_utils import ChatOptions, render_chat
+from inflight.entrypoints.chat_utils import ChatOptions, render_chat, resolve_content_format
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Shows every role and name, so a test sees what the template was given.
@@ -364,5 +364,109 @@ def test_a_request_template_needs_the_operator_s_trust(tiny_llama_dir: Path) -> 
         tokens = httpx.post(f"{server.url}/tokenize", timeout=30,
                             json={"model": "tiny", "prompt": "w3 w4"})
         assert tokens.status_code == 200  # the server is not held up
+    finally:
+        server.stop()
+
+
+# ------------------------------------------------- vLLM's chat_template_content_format
+
+# Loops over each message's content parts, as multimodal-ready templates do.
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{% for p in m['content'] %}[{{ p.type }}:"
+    "{{ p.text }}]{% endfor %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+OPENAI_PARTS = [{"type": "text", "text": "w3 w4"}, {"type": "text", "text": "w5"}]
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (ROLE_TEMPLATE, "string"),
+        (CHAT_TEMPLATE, "string"),
+        (PARTS_TEMPLATE, "openai"),
+        ("{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', "
+         "'text') %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+        ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+         "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}{% endfor %}", "openai"),
+        ("{% for m in messages %}{{ m.content ", "string"),  # unparsable: rendering says so
+    ],
+)
+def test_auto_content_format_follows_the_template(template: str, expected: str) -> None:
+    assert resolve_content_format(template) == expected
+    assert resolve_content_format(template, "string") == "string"
+    assert resolve_content_format(template, "openai") == "openai"
+
+
+def test_a_template_that_loops_over_parts_gets_parts(tokenizer: Any) -> None:
+    messages = [
+        {"role": "system", "content": "w9"},
+        {"role": "user", "content": OPENAI_PARTS},
+        {"role": "assistant", "content": None},
+    ]
+    ours = render_chat(tokenizer, messages, ChatOptions(chat_template=PARTS_TEMPLATE)).prompt
+    as_parts = [
+        {"role": "system", "content": [{"type": "text", "text": "w9"}]},
+        {"role": "user", "content": OPENAI_PARTS},
+        {"role": "assistant", "content": []},
+    ]
+    expected = tokenizer.apply_chat_template(
+        as_parts, chat_template=PARTS_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == expected == "<system>[text:w9]<user>[text:w3 w4][text:w5]<assistant><assistant>"
+    # Forced to "string", the same template iterates over the joined text's characters.
+    forced = render_chat(
+        tokenizer, messages[:2], ChatOptions(chat_template=PARTS_TEMPLATE, content_format="string")
+    ).prompt
+    assert forced == "<system>[:][:]<user>" + "[:]" * len("w3 w4\nw5") + "<assistant>"
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        ChatOptions(content_format="markdown")
+
+
+def test_llm_chat_content_format(offline: LLM, tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "w3 w4"}]
+    expected = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": "w3 w4"}]}],
+            chat_template=PARTS_TEMPLATE, tokenize=False, add_generation_prompt=True,
+        ),
+        add_special_tokens=False,
+    )
+    for content_format in ("auto", "openai"):
+        out = offline.chat(messages, greedy(2), use_tqdm=False, chat_template=PARTS_TEMPLATE,
+                           chat_template_content_format=content_format)[0]
+        assert out.prompt_token_ids == expected
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        offline.chat(messages, greedy(2), use_tqdm=False, chat_template_content_format="x")
+
+
+def test_server_renders_parts_for_a_parts_template(
+    tiny_server: ServerProcess, tokenizer: Any
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": OPENAI_PARTS}],
+            "chat_template": PARTS_TEMPLATE}
+    response = httpx.post(f"{tiny_server.url}/tokenize", json=body, headers=AUTH)
+    assert response.status_code == 200, response.text
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": OPENAI_PARTS}], chat_template=PARTS_TEMPLATE,
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert response.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_server_content_format_option(tiny_llama_dir: Path) -> None:
+    """--chat-template-content-format openai gives even a template without a content loop
+    the parts list ("auto" would give it a string)."""
+    from inprocess_server import InProcessServer
+
+    kind = "{% for m in messages %}{% if m.content is string %}w3{% else %}w4{% endif %}{% endfor %}"
+    assert resolve_content_format(kind) == "string"
+    server = InProcessServer(tiny_llama_dir, chat_template_content_format="openai").start()
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}],
+                "chat_template": kind}
+        response = httpx.post(f"{server.url}/tokenize", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        tokenizer = server.async_engine.tokenizer
+        assert response.json()["tokens"] == tokenizer.encode("w4", add_special_tokens=False)
     finally:
         server.stop()

@@ -86,6 +86,7 @@ class ServerConfig:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     chat_template: str | None = None  # overrides the tokenizer's template when set
+    chat_template_content_format: str = "auto"  # chat_utils.CONTENT_FORMATS
     # vLLM's --trust-request-chat-template: a template sent in a request runs arbitrary
     # Jinja (a loop of 10^10 steps holds the tokenizer thread, and every request, for
     # good), so requests may carry one only when the operator says so.

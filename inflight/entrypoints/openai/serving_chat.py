@@ -174,6 +174,7 @@ def render_messages(
         )
     if options.chat_template is None and state.config.chat_template is not None:
         options = _with_template(options, state.config.chat_template)
+    options = replace(options, content_format=state.config.chat_template_content_format)
     template = options.chat_template or getattr(state.engine.tokenizer, "chat_template", None)
     dicts, options = apply_tools([m.as_dict() for m in messages], options, tools, template)
     try:
