@@ -36,7 +36,7 @@ def check_beam_search(
     """Raise :class:`InvalidRequestError` for a search the engine could not run: a step
     asks for ``2 * beam_width`` logprobs (at most the engine's ``max_logprobs``), and the
     prompt must leave room for one token."""
-    if 2 * params.beam_width > max_logprobs:
+    if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
         raise InvalidRequestError(
             f"a beam search of {params.beam_width} beams needs {2 * params.beam_width} logprobs a step, "
             f"more than max_logprobs={max_logprobs} (start the engine with a larger "

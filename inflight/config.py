@@ -6,6 +6,7 @@ import random
 import re
 from dataclasses import dataclass
 from numbers import Integral
+from typing import Any
 
 BATCHING_MODES = ("continuous", "static")
 # KV cache element type; "auto" follows the model's dtype, "int8" stores each token's K/V
@@ -172,6 +173,10 @@ class ModelConfig:
     # (see worker/device.py); "gguf": require that; "none": dense weights only; "w8a8":
     # as None, and the other steps' linear layers in dynamic int8 (CPU; model/linear.py).
     quantization: str | None = None
+    # vLLM's: "auto" (the model's generation_config.json), "vllm" (none) or a folder;
+    # the overrides are laid over it (engine/generation_config.py).
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require_types(self, ("seed", "max_model_len"))
@@ -222,7 +227,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require_types(self, ("max_logprobs", "max_waiting_requests"), ("record_trace",))
-        _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        _require(self.max_logprobs >= -1,
+                 f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}")
         _require(
             self.max_waiting_requests is None or self.max_waiting_requests >= 1,
             f"max_waiting_requests must be >= 1 (or None: unbounded), "
@@ -254,6 +260,8 @@ def make_engine_config(
     long_prefill_token_threshold: int = 0,
     long_prefill_token_threshold_adaptive: bool = False,
     max_long_partial_prefills: int = 0,
+    generation_config: str = "auto",
+    override_generation_config: dict[str, Any] | None = None,
 ) -> EngineConfig:
     """vLLM-style keyword options -> a validated :class:`EngineConfig`.
 
@@ -265,7 +273,9 @@ def make_engine_config(
     if kv_cache_memory_bytes is None:
         kv_cache_memory_bytes = DEFAULT_KV_CACHE_MEMORY_BYTES
     model_config = ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
-                               max_model_len=max_model_len, quantization=quantization)
+                               max_model_len=max_model_len, quantization=quantization,
+                               generation_config=generation_config,
+                               override_generation_config=override_generation_config)
     provisional_len = DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len
     default_budget = (
         DEFAULT_MAX_NUM_BATCHED_TOKENS if enable_chunked_prefill else provisional_len

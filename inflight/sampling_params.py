@@ -5,6 +5,8 @@ Pure Python (no torch): the scheduler reads the stop-related fields.
 
 from __future__ import annotations
 
+import copy
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field, fields
@@ -35,6 +37,22 @@ NO_TOKEN_LEFT = "no token can be sampled"
 # How a request whose structured-output constraint fails to compile or to run fails (the
 # manager's messages start with it; the server answers a 400 naming structured_outputs).
 CONSTRAINT_FAILED = "structured outputs:"
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's ``output_kind``: what each output of a running request carries."""
+
+    CUMULATIVE = 0  # everything so far (vLLM's default)
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes (what LLM.generate returns)
+
+
+class SamplingType(enum.IntEnum):
+    """vLLM's ``SamplingParams.sampling_type``."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
 
 
 @dataclass(slots=True)
@@ -71,6 +89,16 @@ class SamplingParams:
     masked from sampling) and stop strings (not searched) until that many tokens exist;
     the text of a stop token or EOS that ends the request is left out of ``text`` unless
     ``include_stop_str_in_output`` (its id stays in ``token_ids``).
+
+    vLLM's conveniences: ``seed=-1`` means no seed (random); ``logprobs=True`` means 1 and
+    ``logprobs=-1`` the whole vocabulary (likewise ``prompt_logprobs``; both still within
+    the engine's ``max_logprobs``, which -1 lifts); ``truncate_prompt_tokens=k`` keeps the
+    prompt's last k tokens (-1: the last ``max_model_len``); ``guided_decoding`` is the old
+    name of ``structured_outputs``. ``output_kind`` is CUMULATIVE or FINAL_ONLY (DELTA is
+    refused by ``LLMEngine.add_request``); ``extra_args`` is kept for the caller's own use;
+    ``spaces_between_special_tokens`` is accepted for vLLM's scripts and changes nothing
+    (fast tokenizers, the only kind inflight runs, decode the same either way, as in
+    vLLM); per-request ``logits_processors`` are refused, as in vLLM V1.
     """
 
     n: int = 1
@@ -96,9 +124,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
+    logits_processors: Any = None
 
     # --- structured outputs (constrained decoding); see StructuredOutputsParams below.
     structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's old name; moved over
     # --- end structured outputs
 
     # Filled by the engine, not the user: the model's end-of-sequence ids.
@@ -107,6 +141,15 @@ class SamplingParams:
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
+        if _is_int(self.seed) and self.seed == -1:
+            self.seed = None  # vLLM's "no seed"
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)  # as vLLM: True asks for the sampled token's
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                _fail("guided_decoding", "pass structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop) or []
@@ -132,9 +175,31 @@ class SamplingParams:
             )
         return cls(**options)
 
+    @classmethod
+    def from_optional(cls, **options: Any) -> SamplingParams:
+        """vLLM's constructor for optional values: a None means the field's default
+        (``max_tokens=None`` keeps its meaning, no limit)."""
+        return cls(**{k: v for k, v in options.items() if v is not None or k == "max_tokens"})
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``)."""
+        return copy.deepcopy(self)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """``stop_token_ids`` and the model's end-of-sequence ids (once the engine has
+        filled those in)."""
+        return set(self.stop_token_ids or ()) | set(self._eos_token_ids)
 
     @property
     def has_penalties(self) -> bool:
@@ -187,14 +252,16 @@ class SamplingParams:
         for t in self.stop_token_ids:  # type: ignore[union-attr]
             if not _is_int(t) or not 0 <= t <= INT64_MAX:
                 _fail("stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "detokenize", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             _fail("stop", "stop strings are only supported when detokenize is True")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _check_count(name, getattr(self, name), low=0)
+                _check_count(name, getattr(self, name), low=-1)  # -1: the whole vocabulary
+        self._validate_vllm_extras()
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), low=-2.0, high=2.0)
         _check_number("repetition_penalty", self.repetition_penalty)
@@ -210,6 +277,20 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}",
             )
+
+    def _validate_vllm_extras(self) -> None:
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= INT64_MAX)):
+            _fail("truncate_prompt_tokens",
+                  f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            _fail("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            _fail("extra_args", f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+        if self.logits_processors:
+            _fail("logits_processors",
+                  "per-request logits_processors are not supported (as in vLLM V1); use "
+                  "logit_bias, allowed_token_ids, bad_words or structured_outputs")
 
     def _validate_token_transforms(self) -> None:
         """logit_bias, allowed_token_ids, bad_words (token ids are checked against the
@@ -272,7 +353,10 @@ class StructuredOutputsParams:
     * ``json_object=True``: any JSON object.
 
     ``disable_any_whitespace`` forbids whitespace between JSON tokens (by default any
-    JSON whitespace is allowed, as in vLLM). The shapes are checked here; whether a schema,
+    JSON whitespace is allowed, as in vLLM); ``whitespace_pattern`` is a regex for the
+    whitespace allowed there instead; ``disable_additional_properties`` closes every
+    object of a ``json`` schema that does not say otherwise (``additionalProperties:
+    false``), as vLLM's guidance backend. ``structural_tag`` is refused by name. The shapes are checked here; whether a schema,
     regex or grammar compiles is checked when the request is added to the engine. Both
     raise :class:`InvalidRequestError` with ``parameter="structured_outputs"``.
     """
@@ -283,6 +367,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
@@ -307,11 +394,12 @@ class StructuredOutputsParams:
         return next(name for name in _CONSTRAINTS if self._is_set(name))
 
     @property
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple[str, str, bool, bool, str | None]:
         """Equal for equal constraints: the grammar cache's key."""
         spec = getattr(self, self.kind)
         text = spec if isinstance(spec, str) else _json.dumps(spec, sort_keys=True)
-        return self.kind, text, self.disable_any_whitespace
+        return (self.kind, text, self.disable_any_whitespace,
+                self.disable_additional_properties, self.whitespace_pattern)
 
     def _is_set(self, name: str) -> bool:
         value = getattr(self, name)
@@ -336,14 +424,23 @@ class StructuredOutputsParams:
                 or not all(isinstance(c, str) and c for c in self.choice)
             ):
                 _fail_structured(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
-        for name in ("json_object", "disable_any_whitespace"):
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 _fail_structured(f"{name} must be true or false, got {value!r}")
+        if self.whitespace_pattern is not None and (
+            not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern
+        ):
+            _fail_structured(f"whitespace_pattern must be a non-empty regex, got {self.whitespace_pattern!r}")
+        if self.structural_tag is not None:
+            _fail_structured("structural_tag is not supported; use json, regex, choice or grammar")
 
 
 def _fail_structured(message: str) -> NoReturn:
     raise InvalidRequestError(f"StructuredOutputsParams: {message}", parameter="structured_outputs")
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.11
 
 # ---------------------------------------------------------------- end structured outputs
 

@@ -13,6 +13,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -76,10 +77,40 @@ VLLM_ONLY_ARGS: dict[str, Neutral] = {
         "inflight serve --data-parallel-backend ray)"),
     "task": Neutral(_equals("auto", "generate"), "inflight runs generative models only"),
     "runner": Neutral(_equals("auto", "generate"), "inflight runs generative models only"),
+    "served_model_name": Neutral(
+        lambda v: v is None or isinstance(v, (str, list, tuple)),
+        "offline outputs carry no model name (the server's is inflight serve --served-model-name)"),
+    "limit_mm_per_prompt": Neutral(
+        lambda v: v is None or (isinstance(v, dict) and not any(v.values())),
+        "this model reads text only"),
+    "mm_processor_kwargs": Neutral(lambda v: v is None or v == {}, "this model reads text only"),
+    "speculative_config": Neutral(_equals(None), "speculative decoding is not supported"),
+    "kv_transfer_config": Neutral(_equals(None), "KV transfer is not supported"),
+    "structured_outputs_config": Neutral(
+        _equals(None), "structured outputs always use llguidance"),
+    "disable_log_requests": Neutral(_is_bool, "the offline engine logs no requests"),
+    "enable_log_requests": Neutral(_equals(False), "the offline engine logs no requests"),
+    "logprobs_mode": Neutral(
+        _equals("raw_logprobs"),
+        "logprobs are always the model's raw distribution (vLLM's raw_logprobs)"),
+    "async_scheduling": Neutral(_is_bool, "each step is scheduled after the previous one"),
+    "disable_sliding_window": Neutral(_is_bool, "Llama models have no sliding window"),
+    "model_impl": Neutral(_equals("auto", "vllm"), "inflight runs its own Llama code"),
+    "use_tqdm_on_load": Neutral(_is_bool, "loading shows no progress bar"),
+    "allowed_local_media_path": Neutral(_equals(""), "this model reads text only"),
 }
 
 
-def take_vllm_only_args(options: dict[str, Any]) -> dict[str, Any]:
+def _same_path(a: Any, b: str | None) -> bool:
+    if not isinstance(a, str) or b is None:
+        return False
+    target = Path(b).expanduser().resolve()
+    given = Path(a).expanduser().resolve()
+    # a GGUF file's tokenizer is inside it: its folder names the same model
+    return given == target or (target.suffix == ".gguf" and given == target.parent)
+
+
+def take_vllm_only_args(options: dict[str, Any], model: str | None = None) -> dict[str, Any]:
     """``options`` for :func:`inflight.config.make_engine_config`: each vLLM-only argument
     checked and taken out (a neutral value is accepted, logged at INFO with what inflight
     does instead; any other raises ``ValueError`` naming the argument and the reason), and
@@ -96,6 +127,8 @@ def take_vllm_only_args(options: dict[str, Any]) -> dict[str, Any]:
         name: value for name, value in options.items()
         if not (value is None and defaults.get(name) is not None)
     }
+    if _same_path(kept.get("tokenizer"), model):
+        kept.pop("tokenizer")  # vLLM's LLM(model=p, tokenizer=p): the model's own
     for name, rule in VLLM_ONLY_ARGS.items():
         if name not in kept:
             continue
@@ -103,4 +136,11 @@ def take_vllm_only_args(options: dict[str, Any]) -> dict[str, Any]:
         if not rule.accepts(value):
             raise ValueError(f"{name}={value!r} is not supported: {rule.note}")
         logger.info("%s=%r accepted with no effect: %s", name, value, rule.note)
+    unknown = sorted(set(kept) - set(defaults) - {"seed"})
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {unknown}: neither an engine option of inflight "
+            "(see inflight.config.make_engine_config) nor a vLLM argument it accepts "
+            "(inflight.vllm_engine_args.VLLM_ONLY_ARGS)"
+        )
     return kept

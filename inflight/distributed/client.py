@@ -190,6 +190,10 @@ class DataParallelEngineClient:
         return self._info.model_path
 
     @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        return self._info.default_sampling_params
+
+    @property
     def is_healthy(self) -> bool:
         return not self._closed and any(r.alive for r in self._replicas)
 

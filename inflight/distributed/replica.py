@@ -73,6 +73,7 @@ class ReplicaInfo:
     eos_token_ids: tuple[int, ...]
     max_logprobs: int
     model_path: str
+    default_sampling_params: dict[str, Any]
     block_size: int
     enable_prefix_caching: bool
     pid: int
@@ -111,6 +112,7 @@ class EngineReplica:
             eos_token_ids=engine.eos_token_ids,
             max_logprobs=engine.max_logprobs,
             model_path=engine.model_path,
+            default_sampling_params=engine.default_sampling_params,
             block_size=cache.block_size,
             enable_prefix_caching=cache.enable_prefix_caching,
             pid=os.getpid(),

@@ -157,6 +157,10 @@ class AsyncLLMEngine(EngineLoop):
         return self._engine.model_path
 
     @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        return self._engine.default_sampling_params
+
+    @property
     def stats(self) -> EngineStats:
         return self._stats
 

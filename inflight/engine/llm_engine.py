@@ -46,6 +46,7 @@ from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler
 from inflight.engine import internal_runs
 from inflight.engine.detokenizer import IncrementalDetokenizer
+from inflight.engine.generation_config import generation_defaults
 from inflight.engine.output_processor import (
     OutputProcessor,
     ParentState,
@@ -58,11 +59,12 @@ from inflight.engine.request_checks import (
     check_priority,
     check_prompt_token_ids,
     check_token_options,
+    truncated_prompt,
 )
 from inflight.engine.step_timings import StepTimings
 from inflight.engine.step_trace import StepTrace, record_step
 from inflight.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from inflight.vllm_engine_args import take_vllm_only_args
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,10 @@ class LLMEngine:
 
             w8a8.check_supported(pick_device(config.model.device))
         path = config.model.model or default_model_path()
+        # The model's sampling defaults (vLLM's generation_config), checked before loading.
+        self.default_sampling_params = _checked_defaults(generation_defaults(
+            str(path), config.model.generation_config, config.model.override_generation_config,
+        ))
         checkpoint = load_checkpoint(path)
         arch = checkpoint.arch
         self.tokenizer = checkpoint.tokenizer
@@ -179,7 +185,7 @@ class LLMEngine:
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
         """vLLM-style options (:func:`make_engine_config`); vLLM-only ones such as
         ``tensor_parallel_size=1`` are accepted at neutral values (:mod:`inflight.vllm_engine_args`)."""
-        return cls(make_engine_config(model, **take_vllm_only_args(options)))
+        return cls(make_engine_config(model, **take_vllm_only_args(options, model)))
 
     def _default_num_blocks(self, affordable: int, max_model_len: int) -> int:
         """The memory budget's worth of blocks, but no more than the batch can ever use."""
@@ -203,6 +209,18 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
+
+    @property
+    def model_config(self) -> Any:
+        """vLLM's ``model_config``: the model's settings (``model``, ``dtype``, ...)."""
+        return dataclasses.replace(self.config.model, max_model_len=self.max_model_len)
+
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer (vLLM's ``get_tokenizer``; for a GGUF model
+        built on this first call: the engine itself encodes and decodes without it)."""
+        from inflight.model.gguf_tokenizer import hf_tokenizer
+
+        return hf_tokenizer(self.tokenizer)
 
     def new_request_id(self) -> str:
         self._next_id += 1
@@ -242,6 +260,11 @@ class LLMEngine:
         # The request's own copy (as vLLM clones it): the engine fills in fields (the bad
         # words' token ids) that must follow the caller's later changes, not stick to them.
         params = copy.copy(params)
+        if params.output_kind is RequestOutputKind.DELTA:
+            raise InvalidRequestError(
+                "output_kind DELTA is not supported: the engine's outputs are cumulative "
+                "(AsyncLLMEngine streams carry each step's new text)", "output_kind")
+        stream = stream and params.output_kind is not RequestOutputKind.FINAL_ONLY
         if request_id in self.output_processor.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
@@ -310,6 +333,7 @@ class LLMEngine:
             bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         )
         text, token_ids = self.tokenize_prompt(prompt)
+        token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             eos_token_ids=self.eos_token_ids,
@@ -449,6 +473,15 @@ class LLMEngine:
             self.scheduler, scheduler_output, updates,
             start_time=started - self._trace_origin, duration_s=ended - started,
         ))
+
+
+def _checked_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+    """Generation-config defaults that make valid SamplingParams (ValueError otherwise)."""
+    try:
+        SamplingParams.from_optional(**defaults)
+    except ValueError as error:
+        raise ValueError(f"the model's generation config gives bad sampling defaults: {error}") from error
+    return defaults
 
 
 def _eos_ids(arch_eos: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:

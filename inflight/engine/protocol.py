@@ -40,6 +40,11 @@ class EngineClient(Protocol):
     def max_logprobs(self) -> int: ...
 
     @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """The model's sampling defaults (``engine/generation_config.py``)."""
+        ...
+
+    @property
     def model_path(self) -> str: ...
 
     @property

@@ -26,10 +26,15 @@ def check_in_vocab(token_ids: Iterable[int], vocab_size: int, field: str) -> Non
 
 def check_token_options(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
     """Token ids in stop_token_ids / logit_bias / allowed_token_ids within the vocabulary;
-    logprobs within the engine's ``max_logprobs``."""
+    logprobs within the engine's ``max_logprobs`` (-1: no limit). A logprobs count of -1
+    (vLLM's "the whole vocabulary") becomes ``vocab_size`` in ``params``, the request's
+    own copy."""
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value is not None and value > max_logprobs:
+        if value == -1:
+            value = vocab_size
+            setattr(params, name, value)
+        if value is not None and max_logprobs != -1 and value > max_logprobs:
             raise InvalidRequestError(
                 f"Requested {name} of {value}, which is greater than max allowed: {max_logprobs}",
                 name,
@@ -64,6 +69,15 @@ def check_prompt_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
             "prompt",
         )
     return list(token_ids)
+
+
+def truncated_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the last
+    ``max_model_len``); None keeps them all."""
+    if keep is None:
+        return token_ids
+    keep = max_model_len if keep == -1 else keep
+    return token_ids[-keep:]
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -77,6 +77,15 @@ class ChatOptions:
     content_format: str = "auto"  # vLLM's chat_template_content_format (CONTENT_FORMATS)
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise TypeError(
+                f"chat_template must be a Jinja template string, got {type(self.chat_template).__name__}"
+            )
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, Mapping):
+            raise TypeError(
+                "chat_template_kwargs must be a dict of template variables, got "
+                f"{type(self.chat_template_kwargs).__name__}"
+            )
         if self.content_format not in CONTENT_FORMATS:
             raise ValueError(
                 f"chat_template_content_format must be one of {list(CONTENT_FORMATS)}, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,9 +50,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer (for a GGUF model, built on this first call:
         the engine itself encodes and decodes without transformers)."""
-        from inflight.model.gguf_tokenizer import hf_tokenizer
+        return self.llm_engine.get_tokenizer()
 
-        return hf_tokenizer(self.llm_engine.tokenizer)
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without ``sampling_params``: vLLM's defaults
+        with the model's generation config laid over them (see
+        :mod:`inflight.engine.generation_config`)."""
+        return SamplingParams.from_optional(**self.llm_engine.default_sampling_params)
 
     @property
     def step_trace(self) -> StepTrace:
@@ -67,7 +71,7 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
         lora_request: Any = None,
     ) -> list[RequestOutput]:
@@ -76,6 +80,8 @@ class LLM:
         be None (no LoRA adapters)."""
         _refuse_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _broadcast(sampling_params, len(prompt_list), "sampling_params")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
@@ -86,7 +92,7 @@ class LLM:
         self,
         messages: list[ChatMessage] | list[list[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -135,7 +141,7 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         params: BeamSearchParams,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (vLLM's ``LLM.beam_search``; the algorithm is in
@@ -162,7 +168,7 @@ class LLM:
             searches.append((instance, salt))
         step = params.step_params()
         limit = concurrency_limit or len(searches)
-        with tqdm(total=len(searches), desc="Beam search", disable=not use_tqdm) as bar:
+        with _progress_bar(use_tqdm, total=len(searches), desc="Beam search") as bar:
             for start in range(0, len(searches), limit):
                 group = searches[start:start + limit]
                 while any(not instance.done for instance, _ in group):
@@ -186,7 +192,7 @@ class LLM:
 
     def _run(
         self, prompts: list[PromptInput], params: list[SamplingParams | None],
-        priorities: list[int], use_tqdm: bool,
+        priorities: list[int], use_tqdm: bool | Callable[..., Any],
     ) -> list[RequestOutput]:
         """Add every prompt and step until all are finished.
 
@@ -215,7 +221,7 @@ class LLM:
 
     def _run_alone(
         self, prompts: list[PromptInput], params: list[SamplingParams | None],
-        priorities: list[int], use_tqdm: bool,
+        priorities: list[int], use_tqdm: bool | Callable[..., Any],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Check everything first (tokens, options, lengths), so a bad request rejects the
@@ -243,7 +249,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             feed()
-            with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+            with _progress_bar(use_tqdm, total=len(prompts), desc="Processed prompts") as bar:
                 while len(finished) < len(prompts):
                     for output in engine.step():
                         if output.finished and output.request_id in wanted:
@@ -305,6 +311,14 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
     if not prompts:
         raise ValueError("no prompts given")
     return prompts
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], **options: Any) -> Any:
+    """vLLM's ``use_tqdm``: True for tqdm's bar, False for none, or a callable that makes
+    the bar (tqdm's signature: ``total``, ``desc``, ...)."""
+    if callable(use_tqdm):
+        return use_tqdm(**options)
+    return tqdm(disable=not use_tqdm, **options)
 
 
 def _broadcast(

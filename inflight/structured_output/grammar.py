@@ -8,6 +8,8 @@ naming ``structured_outputs``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import llguidance
 
 from inflight.sampling_params import InvalidRequestError, StructuredOutputsParams
@@ -20,9 +22,14 @@ def serialize_grammar(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = params.json if kind == "json" else _ANY_OBJECT
+        if params.disable_additional_properties:
+            schema = closed_objects(schema)
+        defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None:
+            defaults["whitespace_pattern"] = params.whitespace_pattern
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema,  # type: ignore[arg-type]
-            defaults={"whitespace_flexible": not params.disable_any_whitespace},
+            defaults=defaults,  # type: ignore[arg-type]
         )
     if kind == "regex":
         return llguidance.grammar_from("regex", params.regex)  # type: ignore[arg-type]
@@ -34,6 +41,35 @@ def serialize_grammar(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("regex", f"(?:{options})")
     # Lark, or GBNF (llama.cpp's syntax) converted to Lark.
     return llguidance.grammar_from("grammar", params.grammar)  # type: ignore[arg-type]
+
+
+# Where a JSON schema holds subschemas: one, a list of them, or a name -> schema map.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+              "additionalItems", "unevaluatedItems", "unevaluatedProperties", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema where every object schema without ``additionalProperties``
+    gets ``additionalProperties: false`` (vLLM's ``disable_additional_properties``)."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in closed:
+            closed[key] = closed_objects(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(item) for item in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and (
+        "additionalProperties" not in schema
+    ):
+        closed["additionalProperties"] = False
+    return closed
 
 
 # Characters with a meaning in llguidance's regex syntax (Rust's), and the "/" that ends

@@ -47,7 +47,7 @@ from inflight.structured_output.grammar import validate_grammar
 
 logger = logging.getLogger(__name__)
 
-_GrammarKey = tuple[str, str, bool]
+_GrammarKey = tuple[str, str, bool, bool, str | None]
 # A failed request's message keeps this much of llguidance's error text.
 _MAX_ERROR_CHARS = 500
 

@@ -95,7 +95,7 @@ def test_a_finished_request_id_can_be_reused() -> None:
         ({"seed": "x"}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"presence_penalty": -2.01}, "presence_penalty"),

@@ -144,9 +144,13 @@ def test_values_outside_what_the_engine_can_use_are_rejected(kwargs: dict, field
     assert isinstance(caught.value, ValueError)
 
 
-@pytest.mark.parametrize("seed", [0, -1, 2**63 - 1, -(2**63)])
+@pytest.mark.parametrize("seed", [0, -2, 2**63 - 1, -(2**63)])
 def test_the_whole_torch_long_range_of_seeds_is_accepted(seed: int) -> None:
     assert SamplingParams(seed=seed).seed == seed
+
+
+def test_seed_minus_one_means_no_seed_as_in_vllm() -> None:
+    assert SamplingParams(seed=-1).seed is None
 
 
 def test_a_bool_priority_is_rejected() -> None:

@@ -42,3 +42,17 @@ def write_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(directory, safe_serialization=True)
     make_tiny_tokenizer().save_pretrained(directory)
     return directory
+
+
+def with_generation_config(source: Path, directory: Path, **fields) -> Path:
+    """A copy of the checkpoint at ``source`` in ``directory`` whose
+    generation_config.json also holds ``fields`` (sampling defaults, say)."""
+    import json
+    import shutil
+
+    shutil.copytree(source, directory)
+    path = directory / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    config.update(fields)
+    path.write_text(json.dumps(config))
+    return directory

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from inflight.entrypoints.openai.errors import bad_request, from_engine_error
 from inflight.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -113,8 +114,11 @@ def sampling_params(
     request: GenerationRequest,
     max_tokens: int | None,
     structured_outputs: StructuredOutputsParams | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """OpenAI defaults where the request is silent; engine errors become 400s.
+    """The model's defaults (``defaults``, from its generation config), else OpenAI's,
+    where the request is silent; engine errors become 400s. A generation config's
+    ``max_new_tokens`` caps ``max_tokens`` even when the request sets it (as vLLM).
 
     Only implemented fields reach the engine: refused ones were checked neutral before.
     Logprobs: completions' ``logprobs`` is the engine's; chat's ``top_logprobs`` is, when
@@ -133,13 +137,17 @@ def sampling_params(
             "max_tokens",
             "invalid_value",
         )
+    defaults = defaults or {}
+    default_cap = defaults.get("max_tokens")
+    if default_cap is not None and max_tokens != 0:
+        max_tokens = default_cap if max_tokens is None else min(max_tokens, default_cap)
     try:
         return SamplingParams(
             n=1 if request.n is None else request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=request.top_k or 0,
-            min_p=request.min_p or 0.0,
+            temperature=_given(request.temperature, defaults, "temperature", 1.0),
+            top_p=_given(request.top_p, defaults, "top_p", 1.0),
+            top_k=_given(request.top_k, defaults, "top_k", 0),
+            min_p=_given(request.min_p, defaults, "min_p", 0.0),
             seed=request.seed,
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
@@ -150,8 +158,8 @@ def sampling_params(
             include_stop_str_in_output=request.include_stop_str_in_output,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if request.repetition_penalty is None else request.repetition_penalty
+            repetition_penalty=_given(
+                request.repetition_penalty, defaults, "repetition_penalty", 1.0
             ),
             logit_bias=dict(request.logit_bias) if request.logit_bias else None,  # type: ignore[arg-type]
             allowed_token_ids=request.allowed_token_ids,
@@ -165,6 +173,13 @@ def sampling_params(
         if openai_error.param == "logprobs":
             openai_error.param = logprobs_param
         raise openai_error from error
+
+
+def _given(value: Any, defaults: Mapping[str, Any], name: str, fallback: Any) -> Any:
+    """The request's value, else the model's default, else OpenAI's."""
+    if value is not None:
+        return value
+    return defaults.get(name, fallback)
 
 
 def echo_logprobs(request: GenerationRequest) -> bool:

@@ -112,7 +112,9 @@ async def _serve(
     check_length(
         len(token_ids), max_tokens, state.engine.max_model_len, "messages", max_tokens_param
     )
-    params = sampling_params(request, max_tokens, constraint)
+    params = sampling_params(
+        request, max_tokens, constraint, state.engine.default_sampling_params
+    )
     request_id = f"chatcmpl-{request.request_id}"
     stream: RequestStream
     if request.use_beam_search:

@@ -79,7 +79,9 @@ async def _serve(state: ServerState, request: CompletionRequest, arrival_time: f
     check_supported(request)
     prompts = await off_loop(_prepare_prompts, state, request)
     constraint = structured_outputs_of(request.response_format, request.structured_outputs)
-    params = sampling_params(request, request.max_tokens, constraint)
+    params = sampling_params(
+        request, request.max_tokens, constraint, state.engine.default_sampling_params
+    )
     request_id = f"cmpl-{request.request_id}"
     streams: list[RequestStream]
     if request.use_beam_search:
