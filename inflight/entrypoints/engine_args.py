@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from inflight.config import (
@@ -93,6 +94,26 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                        help="waiting-queue order: fcfs, or priority (lower runs first)")
     group.add_argument("--batching", default="continuous", choices=list(BATCHING_MODES),
                        help="continuous (default) or the static-batching baseline")
+    group.add_argument(
+        "--generation-config", default="auto",
+        help="sampling defaults for requests that leave a field out: auto (the model's "
+        "generation_config.json, as vLLM), vllm (none), or a folder holding a "
+        "generation_config.json (default: auto)",
+    )
+    group.add_argument(
+        "--override-generation-config", type=_json_object, default=None,
+        help='JSON laid over the generation config, e.g. \'{"temperature": 0.5}\'',
+    )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,6 +130,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, batching=args.batching,
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
     )
     if args.kv_cache_memory_bytes is not None:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes

@@ -40,3 +40,23 @@ def test_the_server_uses_the_model_s_defaults(tiny_llama_dir: Path, tmp_path: Pa
         assert chat.json()["usage"]["completion_tokens"] <= 4
     finally:
         server.stop()
+
+
+def test_serve_flags_reach_the_engine(capsys: Any) -> None:
+    import pytest
+
+    from inflight.entrypoints.cli import build_parser
+    from inflight.entrypoints.engine_args import engine_options
+
+    args = build_parser().parse_args(
+        ["serve", "m", "--generation-config", "vllm",
+         "--override-generation-config", '{"temperature": 0.5}']
+    )
+    options = engine_options(args)
+    assert options["generation_config"] == "vllm"
+    assert options["override_generation_config"] == {"temperature": 0.5}
+    assert engine_options(build_parser().parse_args(["serve", "m"]))["generation_config"] == "auto"
+    for bad in ("{not json", "[1]"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "m", "--override-generation-config", bad])
+        assert "--override-generation-config" in capsys.readouterr().err
