@@ -2,7 +2,8 @@
 
 Routes::
 
-    POST /v1/completions  POST /v1/chat/completions  GET /v1/models   (API key, when set)
+    POST /v1/completions  POST /v1/chat/completions  POST /v1/responses  GET /v1/models
+                                                                  (API key, when set)
     GET /health  GET|POST /ping  GET /metrics  GET /version  POST /tokenize  POST /detokenize
     POST /reset_prefix_cache
 
@@ -52,6 +53,10 @@ from inflight.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from inflight.entrypoints.openai.protocol_responses import (
+    ResponsesRequest,
+    ResponsesResponse,
+)
 from inflight.entrypoints.openai.request_fields import (
     TOKENIZE_FIELDS,
     log_unknown_fields,
@@ -70,6 +75,7 @@ from inflight.entrypoints.openai.serving_chat import (
     render_messages,
 )
 from inflight.entrypoints.openai.serving_completions import create_completion
+from inflight.entrypoints.openai.serving_responses import create_response
 from inflight.entrypoints.openai.tool_calls import parse_tools
 from inflight.metrics.prometheus import PrometheusMetrics
 from inflight.model.gguf_tokenizer import hf_tokenizer
@@ -107,7 +113,14 @@ def build_app(engine: ServedEngine, config: ServerConfig) -> FastAPI:
     app.include_router(_v1_router(state))
     app.include_router(_service_router(state, engine, __version__))
     install_request_schemas(
-        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+        app,
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ],
     )
     return app
 
@@ -152,6 +165,14 @@ def _v1_router(state: ServerState) -> APIRouter:
     )
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(state, raw)
+
+    @router.post(
+        "/responses",
+        openapi_extra=request_body(ResponsesRequest),
+        responses={200: {"model": ResponsesResponse, "content": _SSE}},
+    )
+    async def responses(raw: Request) -> Response:
+        return await create_response(state, raw)
 
     @router.get("/models")
     async def models() -> Response:

@@ -36,6 +36,7 @@ _EXPECTED = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "messages": "a list of {role, content} objects with string or text-part content",
+    "input": "a string or a list of input items (messages, function calls and their outputs)",
 }
 
 

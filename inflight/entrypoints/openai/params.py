@@ -138,48 +138,59 @@ def sampling_params(
             "invalid_value",
         )
     defaults = defaults or {}
-    default_cap = defaults.get("max_tokens")
-    if default_cap is not None and max_tokens != 0:
-        max_tokens = default_cap if max_tokens is None else min(max_tokens, default_cap)
+    return checked_sampling_params(
+        {"logprobs": logprobs_param},
+        n=1 if request.n is None else request.n,
+        temperature=given(request.temperature, defaults, "temperature", 1.0),
+        top_p=given(request.top_p, defaults, "top_p", 1.0),
+        top_k=given(request.top_k, defaults, "top_k", 0),
+        min_p=given(request.min_p, defaults, "min_p", 0.0),
+        seed=request.seed,
+        max_tokens=capped_max_tokens(max_tokens, defaults),
+        min_tokens=request.min_tokens,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=given(request.repetition_penalty, defaults, "repetition_penalty", 1.0),
+        logit_bias=dict(request.logit_bias) if request.logit_bias else None,  # type: ignore[arg-type]
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words or None,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs,
+    )
+
+
+def checked_sampling_params(renamed: Mapping[str, str], **fields: Any) -> SamplingParams:
+    """``SamplingParams(**fields)``; a refusal is a 400 naming the request's field, which
+    ``renamed`` maps from the engine's name where the two differ."""
     try:
-        return SamplingParams(
-            n=1 if request.n is None else request.n,
-            temperature=_given(request.temperature, defaults, "temperature", 1.0),
-            top_p=_given(request.top_p, defaults, "top_p", 1.0),
-            top_k=_given(request.top_k, defaults, "top_k", 0),
-            min_p=_given(request.min_p, defaults, "min_p", 0.0),
-            seed=request.seed,
-            max_tokens=max_tokens,
-            min_tokens=request.min_tokens,
-            stop=request.stop,
-            stop_token_ids=request.stop_token_ids,
-            ignore_eos=request.ignore_eos,
-            skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=_given(
-                request.repetition_penalty, defaults, "repetition_penalty", 1.0
-            ),
-            logit_bias=dict(request.logit_bias) if request.logit_bias else None,  # type: ignore[arg-type]
-            allowed_token_ids=request.allowed_token_ids,
-            bad_words=request.bad_words or None,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured_outputs,
-        )
+        return SamplingParams(**fields)
     except ValueError as error:
         openai_error = from_engine_error(error)
-        if openai_error.param == "logprobs":
-            openai_error.param = logprobs_param
+        if openai_error.param in renamed:
+            openai_error.param = renamed[openai_error.param]
         raise openai_error from error
 
 
-def _given(value: Any, defaults: Mapping[str, Any], name: str, fallback: Any) -> Any:
+def given(value: Any, defaults: Mapping[str, Any], name: str, fallback: Any) -> Any:
     """The request's value, else the model's default, else OpenAI's."""
     if value is not None:
         return value
     return defaults.get(name, fallback)
+
+
+def capped_max_tokens(max_tokens: int | None, defaults: Mapping[str, Any]) -> int | None:
+    """A generation config's ``max_new_tokens`` caps ``max_tokens`` even when the request
+    sets it (as vLLM); 0 (the prompt's logprobs alone) stays 0."""
+    cap = defaults.get("max_tokens")
+    if cap is None or max_tokens == 0:
+        return max_tokens
+    return cap if max_tokens is None else min(max_tokens, cap)
 
 
 def echo_logprobs(request: GenerationRequest) -> bool:

@@ -23,6 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # prompt of the wrong type.
 TokenIds = list[int]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Field types several requests share, with OpenAI's ranges.
+INT64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]
 
 
 def random_request_id() -> str:
@@ -43,17 +48,17 @@ class _GenerationFields(_Request):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's)."""
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     # OpenAI's limit: one request must not be able to fill the engine for minutes.
     n: Annotated[int, Field(ge=1, le=128)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
+    seed: INT64 | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's sampling extras
@@ -79,7 +84,7 @@ class _GenerationFields(_Request):
     logprob_token_ids: list[int] | None = None
     structured_outputs: dict[str, Any] | None = None
     # vLLM's extra parameters
-    priority: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] = 0
+    priority: INT64 = 0
     request_id: str = Field(default_factory=random_request_id)
     session_id: str | None = None
     return_tokens_as_token_ids: bool | None = None

@@ -9,8 +9,10 @@ answers 400, but clients written for other servers send their own extras).
 
 The field lists follow OpenAI's ``openai`` package (3.57) and vLLM's protocol at commit
 002032ee2b18e1f7bd924ec47b62504ba3866063 (``vllm/entrypoints/openai/completion/protocol.py``
-and ``chat_completion/protocol.py``); ``tests/server/test_request_schema.py`` checks that
-every one of them has a row here and behaves as its row says.
+and ``chat_completion/protocol.py``), and for ``/v1/responses`` its ``ResponsesRequest`` at
+commit 010a69cea9ac46d2953fa673c3b814f922d1b194 (``responses/protocol.py``);
+``tests/server/test_request_schema.py`` and ``test_responses.py`` check that every one of
+them has a row here and behaves as its row says.
 """
 
 from __future__ import annotations
@@ -191,6 +193,86 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
     "media_io_kwargs": Refused(_TEXT_ONLY),
     "mm_processor_kwargs": Refused(_TEXT_ONLY),
     "return_prompt_text": Implemented("the rendered prompt text in the response"),
+}
+
+def _no_reasoning(value: Any) -> bool:
+    """Reasoning off: null, {} or every setting null (an effort of 'none' says off too)."""
+    if not isinstance(value, dict):
+        return value is None
+    return all(v is None or (k == "effort" and v == "none") for k, v in value.items())
+
+
+_NO_STORE = (
+    "this server keeps no responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE); "
+    "send the whole conversation in 'input'"
+)
+
+RESPONSES_FIELDS: dict[str, Treatment] = {
+    name: _SHARED[name]
+    for name in (
+        "model", "temperature", "top_p", "stream", "user", "top_k", "repetition_penalty",
+        "seed", "stop", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+        "logit_bias", "priority", "cache_salt", "structured_outputs", "request_timeout",
+    )
+} | {
+    "input": Implemented(
+        "a string (one user message) or a list of messages, function_call and "
+        "function_call_output items, rendered with the chat template as chat messages"
+    ),
+    "instructions": Implemented("a system message before the input"),
+    "max_output_tokens": Implemented("the most tokens to generate"),
+    "stream_options": Implemented("accepted: include_obfuscation (no padding is sent)"),
+    "tools": Implemented(
+        "function tools ({type, name, description, parameters, strict}), rendered and "
+        "parsed as on chat completions; built-in tools are a 400"
+    ),
+    "tool_choice": Implemented(
+        "none, auto, required or {type: function, name}; other choices are a 400"
+    ),
+    "parallel_tool_calls": Implemented("false keeps only the first of an auto answer's calls"),
+    "text": Implemented(
+        "format text, json_object or json_schema: the output is constrained by a grammar"
+    ),
+    "include": Implemented(
+        "message.output_text.logprobs adds the output tokens' logprobs; the others name "
+        "items (built-in tools, images, reasoning) that this server never outputs"
+    ),
+    "top_logprobs": Implemented("the k most likely tokens at each position (with include)"),
+    "metadata": Implemented("echoed in the response"),
+    "safety_identifier": Implemented("accepted: an end-user id for abuse monitoring"),
+    "store": Implemented(
+        "accepted: nothing is stored, as in vLLM by default (it turns store=true off "
+        "silently unless VLLM_ENABLE_RESPONSES_API_STORE is set)"
+    ),
+    "truncation": Refused(
+        "only 'disabled' is supported: a prompt too long for the context is a 400",
+        equals("disabled"),
+    ),
+    "service_tier": Implemented("accepted: there is one processing tier"),
+    "max_tool_calls": Implemented("accepted: it bounds built-in tool calls, of which there are none"),
+    "prompt_cache_key": Implemented("accepted: a cache routing hint, no effect on output"),
+    "prompt_cache_options": Implemented("accepted: a cache hint, no effect on output"),
+    "prompt_cache_retention": Implemented("accepted: a cache hint, no effect on output"),
+    "background": Refused(f"background responses need a store, and {_NO_STORE}"),
+    "background_options": Refused(f"background responses need a store, and {_NO_STORE}"),
+    "previous_response_id": Refused(_NO_STORE),
+    "conversation": Refused(_NO_STORE),
+    "prompt": Refused("prompt templates are not supported (vLLM refuses them too)"),
+    "reasoning": Refused(_NO_REASONING, _no_reasoning),
+    "context_management": Refused("context compaction is not supported"),
+    "access_programs": Refused("access programs are OpenAI's own"),
+    "image": Refused(_TEXT_ONLY),
+    "moderation": Refused("this server has no moderation"),
+    # vLLM's extras
+    "request_id": Implemented("the response's id (default resp_<random>), as in vLLM"),
+    "mm_processor_kwargs": Refused(_TEXT_ONLY),
+    "enable_response_messages": Refused("vLLM supports it for gpt-oss (Harmony) models only"),
+    "previous_input_messages": Refused("vLLM reads them for gpt-oss (Harmony) models only"),
+    "previous_response": Refused(
+        "stateless multi-turn needs reasoning state this model does not have; send the "
+        "conversation in 'input'"
+    ),
+    "vllm_xargs": Refused("this server has no custom extensions to read it"),
 }
 
 TOKENIZE_FIELDS: dict[str, Treatment] = {

@@ -347,11 +347,17 @@ class EngineStreamingResponse(StreamingResponse):
                 stream.close()
 
 
-def stream_error_event(error: EngineDeadError | StreamDroppedError) -> str:
-    """The in-band error event that ends a stream whose status line went out long ago."""
+def stream_failure(error: EngineDeadError | StreamDroppedError) -> OpenAIError:
+    """Why a stream whose status line went out long ago ends early: the engine failed, or
+    the client read too slowly (its stream was dropped)."""
     if isinstance(error, StreamDroppedError):
-        return sse(OpenAIError(408, str(error), INVALID_REQUEST, code="stream_dropped").body())
-    return sse(engine_failure(error).body())
+        return OpenAIError(408, str(error), INVALID_REQUEST, code="stream_dropped")
+    return engine_failure(error)
+
+
+def stream_error_event(error: EngineDeadError | StreamDroppedError) -> str:
+    """The in-band error event that ends such a stream (completions and chat)."""
+    return sse(stream_failure(error).body())
 
 
 def _dumps(body: dict[str, Any]) -> str:

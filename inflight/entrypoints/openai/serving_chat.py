@@ -63,11 +63,11 @@ from inflight.entrypoints.openai.tool_calls import (
     FunctionTool,
     ToolCallStreamer,
     ToolChoice,
+    answer_constraint,
     apply_tools,
     parse_answer,
     parse_tool_choice,
     parse_tools,
-    tool_constraint,
 )
 from inflight.model.token_bytes import TokenBytes, token_bytes_of
 from inflight.outputs import SampleLogprobs
@@ -87,15 +87,11 @@ async def _serve(
     check_supported(request)
     tools = parse_tools(request.tools)
     tool_choice = parse_tool_choice(request.tool_choice, tools)
-    constraint = structured_outputs_of(request.response_format, request.structured_outputs)
-    if tool_choice.constrained:
-        if constraint is not None:
-            raise bad_request(
-                "tool_choice 'required' or a named function cannot be combined with "
-                "response_format or structured_outputs.",
-                "tool_choice",
-            )
-        constraint = tool_constraint(tools, tool_choice)
+    constraint = answer_constraint(
+        tools,
+        tool_choice,
+        structured_outputs_of(request.response_format, request.structured_outputs),
+    )
     options = chat_options(
         chat_template=request.chat_template,
         add_generation_prompt=request.add_generation_prompt,
@@ -162,8 +158,10 @@ def render_messages(
     messages: list[ChatMessage],
     options: ChatOptions,
     tools: Sequence[FunctionTool] = (),
+    param: str = "messages",
 ) -> RenderedChat:
-    """The request's messages through the chat renderer; its refusals are 400s.
+    """The request's messages through the chat renderer; its refusals are 400s naming
+    ``param`` (the field that held the messages).
 
     Tools go to a template that knows them, else into the messages (``tool_calls.py``).
     A template in the request is refused unless the server trusts request templates.
@@ -182,7 +180,7 @@ def render_messages(
     try:
         return render_chat(state.engine.tokenizer, dicts, options)
     except ValueError as error:
-        raise bad_request(str(error), "messages") from error
+        raise bad_request(str(error), param) from error
 
 
 def chat_options(**fields: Any) -> ChatOptions:

@@ -21,15 +21,20 @@ from inflight.sampling_params import StructuredOutputsParams
 
 
 def structured_outputs_of(
-    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+    response_format: dict[str, Any] | None,
+    structured_outputs: dict[str, Any] | None,
+    format_param: str = "response_format",
 ) -> StructuredOutputsParams | None:
-    """The constraint a request asks for, validated, or None; 400s name the field."""
-    from_format = _from_response_format(response_format)
+    """The constraint a request asks for, validated, or None; 400s name the field.
+
+    ``format_param`` is what the client called ``response_format`` (the Responses API's
+    ``text.format`` is the same object, flattened there by the caller)."""
+    from_format = _from_response_format(response_format, format_param)
     if structured_outputs is None:
         return from_format
     if from_format is not None:
         raise bad_request(
-            "Set either response_format or structured_outputs, not both.", "structured_outputs"
+            f"Set either {format_param} or structured_outputs, not both.", "structured_outputs"
         )
     return checked(
         lambda: StructuredOutputsParams.from_dict(structured_outputs), "structured_outputs"
@@ -49,7 +54,9 @@ def checked(build: Any, param: str) -> StructuredOutputsParams:
     return params
 
 
-def _from_response_format(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
+def _from_response_format(
+    response_format: dict[str, Any] | None, param: str
+) -> StructuredOutputsParams | None:
     if response_format is None:
         return None
     kind = response_format.get("type")
@@ -60,22 +67,24 @@ def _from_response_format(response_format: dict[str, Any] | None) -> StructuredO
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise _bad_format("json_schema must be an object with a string 'name'")
+            raise _bad_format(param, "json_schema must be an object with a string 'name'")
         schema = spec.get("schema")
         if schema is None:
             return StructuredOutputsParams(json_object=True)
         if not isinstance(schema, dict):
-            raise _bad_format("json_schema.schema must be a JSON schema object")
-        return checked(lambda: StructuredOutputsParams(json=schema), "response_format")
+            raise _bad_format(param, "json_schema.schema must be a JSON schema object")
+        return checked(lambda: StructuredOutputsParams(json=schema), param)
     if kind == "structural_tag":
         raise OpenAIError(
             400,
-            "'response_format' of type 'structural_tag' is not supported by this server.",
-            param="response_format",
+            f"'{param}' of type 'structural_tag' is not supported by this server.",
+            param=param,
             code="unsupported_parameter",
         )
-    raise _bad_format(f"type must be one of 'text', 'json_object', 'json_schema', got {kind!r}")
+    raise _bad_format(
+        param, f"type must be one of 'text', 'json_object', 'json_schema', got {kind!r}"
+    )
 
 
-def _bad_format(message: str) -> OpenAIError:
-    return bad_request(f"Invalid response_format: {message}.", "response_format")
+def _bad_format(param: str, message: str) -> OpenAIError:
+    return bad_request(f"Invalid {param}: {message}.", param)

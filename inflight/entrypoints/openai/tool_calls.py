@@ -166,6 +166,25 @@ def tool_constraint(tools: Sequence[FunctionTool], choice: ToolChoice) -> Struct
     return checked(lambda: StructuredOutputsParams(json=schema), "tools")
 
 
+def answer_constraint(
+    tools: Sequence[FunctionTool],
+    choice: ToolChoice,
+    constraint: StructuredOutputsParams | None,
+    format_param: str = "response_format",
+) -> StructuredOutputsParams | None:
+    """The answer's grammar: a required or named choice's, else the request's own
+    ``constraint`` (from ``format_param`` or ``structured_outputs``); both is a 400."""
+    if not choice.constrained:
+        return constraint
+    if constraint is not None:
+        raise bad_request(
+            "tool_choice 'required' or a named function cannot be combined with "
+            f"{format_param} or structured_outputs.",
+            "tool_choice",
+        )
+    return tool_constraint(tools, choice)
+
+
 # ---------------------------------------------------------------------- rendering
 
 

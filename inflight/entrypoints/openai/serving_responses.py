@@ -1,0 +1,470 @@
+"""``POST /v1/responses``: OpenAI's Responses API on the chat machinery.
+
+The request is put in chat terms (``responses_input.py``), rendered by chat's renderer,
+constrained by the same grammars and parsed by the same tool-call parser, so a greedy
+answer equals ``/v1/chat/completions``' for the same messages. The answer is a Response
+object whose ``output`` holds a ``message`` item (the text, unless the answer is only
+tool calls) and a ``function_call`` item per call.
+
+With ``stream: true`` the answer is OpenAI's typed server-sent events, each an
+``event: <type>`` line and a ``data:`` line whose ``sequence_number`` counts from 0::
+
+    response.created  response.in_progress
+    per output item:  response.output_item.added
+        a message:    response.content_part.added  response.output_text.delta (per piece
+                      of text)  response.output_text.done  response.content_part.done
+        a call:       response.function_call_arguments.delta  ...arguments.done
+                      response.output_item.done
+    response.completed                 (or, when the engine fails: error, response.failed)
+
+As in vLLM, the last event is ``response.completed`` even for a response cut by
+``max_output_tokens`` (its ``status`` says ``incomplete``; OpenAI sends
+``response.incomplete`` there), so the client's ``get_final_response()`` works for both.
+No ``data: [DONE]`` line follows, as from OpenAI and vLLM.
+
+Nothing is stored, vLLM's default: ``store: true`` is accepted and turned off;
+``previous_response_id`` and ``background`` are refused (``request_fields.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request, Response
+from pydantic_core import to_json
+
+from inflight.engine.request_stream import EngineDeadError, RequestStream, StreamDroppedError
+from inflight.entrypoints.chat_utils import ChatOptions
+from inflight.entrypoints.openai.logprobs import chat_logprobs
+from inflight.entrypoints.openai.params import (
+    check_length,
+    check_prompt_ids,
+    checked_sampling_params,
+)
+from inflight.entrypoints.openai.protocol import ChatMessage, ChatTokenLogprob
+from inflight.entrypoints.openai.protocol_responses import (
+    FunctionCall,
+    IncompleteDetails,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    ResponseError,
+    ResponsesRequest,
+    ResponsesResponse,
+    ResponseUsage,
+)
+from inflight.entrypoints.openai.request_fields import (
+    RESPONSES_FIELDS,
+    log_unknown_fields,
+    refuse_unsupported,
+)
+from inflight.entrypoints.openai.responses_input import (
+    chat_input,
+    chat_tool_choice,
+    chat_tools,
+    response_format,
+    wants_logprobs,
+)
+from inflight.entrypoints.openai.serving import (
+    EngineStreamingResponse,
+    ServerState,
+    add_requests,
+    collect,
+    engine_failure,
+    json_response,
+    off_loop,
+    parse_body,
+    stream_failure,
+    until_disconnect,
+)
+from inflight.entrypoints.openai.serving_chat import chat_options, render_messages
+from inflight.entrypoints.openai.structured import structured_outputs_of
+from inflight.entrypoints.openai.tool_calls import (
+    FunctionTool,
+    ToolCallStreamer,
+    ToolChoice,
+    answer_constraint,
+    parse_answer,
+    parse_tool_choice,
+    parse_tools,
+)
+from inflight.model.token_bytes import TokenBytes, token_bytes_of
+from inflight.outputs import SampleLogprobs
+from inflight.sampling_params import SamplingParams
+
+# The engine's names for the request's fields, where they differ (for 400s).
+_RENAMED = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens"}
+
+
+async def create_response(state: ServerState, raw: Request) -> Response:
+    arrival_time = time.monotonic()
+    request = await parse_body(raw, ResponsesRequest)
+    # From here on a client that goes away aborts whatever its request got to.
+    return await until_disconnect(raw, _serve(state, request, arrival_time))
+
+
+async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: float) -> Response:
+    model = state.resolve_model(request.model)
+    log_unknown_fields(request, "/v1/responses")
+    refuse_unsupported(request, RESPONSES_FIELDS)
+    conversation = chat_input(request.instructions, request.input)
+    tools = parse_tools(chat_tools(request.tools))
+    tool_choice = parse_tool_choice(chat_tool_choice(request.tool_choice), tools)
+    text_format = structured_outputs_of(
+        response_format(request.text), request.structured_outputs, "text.format"
+    )
+    constraint = answer_constraint(tools, tool_choice, text_format, "text.format")
+    continued = conversation.continue_final_message
+    options = chat_options(add_generation_prompt=not continued, continue_final_message=continued)
+    token_ids = await off_loop(_prompt_ids, state, conversation.messages, options, tools)
+    max_model_len = state.engine.max_model_len
+    check_length(
+        len(token_ids), request.max_output_tokens, max_model_len, "input", "max_output_tokens"
+    )
+    params = checked_sampling_params(
+        _RENAMED,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        seed=request.seed,
+        max_tokens=request.max_output_tokens,
+        stop=request.stop,
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        repetition_penalty=(
+            1.0 if request.repetition_penalty is None else request.repetition_penalty
+        ),
+        logit_bias=dict(request.logit_bias) if request.logit_bias else None,
+        logprobs=(request.top_logprobs or 0) if wants_logprobs(request.include) else None,
+        structured_outputs=constraint,
+    )
+    (stream,) = await add_requests(
+        state.engine,
+        request.request_id,
+        [(None, token_ids)],
+        params,
+        request.priority,
+        arrival_time,
+        request.cache_salt,
+        logprobs_param="top_logprobs",
+        request_timeout=request.request_timeout,
+    )
+    tokenizer = state.engine.tokenizer
+    reply = _Reply(
+        request=request,
+        model=model,
+        params=params,
+        # vLLM echoes the effective limit: what the context leaves when none was asked for.
+        max_output_tokens=request.max_output_tokens or max_model_len - len(token_ids),
+        tools=tools,
+        tool_choice=tool_choice,
+        decode=lambda token_id: str(tokenizer.decode([token_id])),
+        raw_bytes=token_bytes_of(tokenizer),
+    )
+    if request.stream:
+        return EngineStreamingResponse(_stream(reply, stream), [stream])
+    return await _complete(reply, stream)
+
+
+def _prompt_ids(
+    state: ServerState,
+    messages: list[ChatMessage],
+    options: ChatOptions,
+    tools: Sequence[FunctionTool],
+) -> list[int]:
+    """The conversation's token ids, rendered as chat renders them (runs off the loop)."""
+    token_ids = render_messages(state, messages, options, tools, "input").prompt_token_ids
+    check_prompt_ids(token_ids, state.engine.vocab_size, "input")
+    return token_ids
+
+
+@dataclass(slots=True)
+class _Reply:
+    """What the answer carries besides the engine's deltas."""
+
+    request: ResponsesRequest
+    model: str
+    params: SamplingParams
+    max_output_tokens: int
+    tools: Sequence[FunctionTool]
+    tool_choice: ToolChoice
+    decode: Callable[[int], str]
+    raw_bytes: TokenBytes | None
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def parallel_tool_calls(self) -> bool:
+        return self.request.parallel_tool_calls is not False
+
+    def streamer(self) -> ToolCallStreamer:
+        return ToolCallStreamer(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def logprobs(
+        self, token_ids: Sequence[int], logprobs: SampleLogprobs | None
+    ) -> list[ChatTokenLogprob] | None:
+        """The tokens' entries when the request includes logprobs (chat's shape)."""
+        top = self.params.logprobs
+        if top is None:
+            return None
+        return chat_logprobs(token_ids, logprobs or [], top, self.decode, False, self.raw_bytes)
+
+    def response(
+        self,
+        status: str,
+        output: Sequence[OutputItem] = (),
+        usage: ResponseUsage | None = None,
+        error: ResponseError | None = None,
+    ) -> ResponsesResponse:
+        """The Response object, with the request's settings echoed."""
+        request = self.request
+        incomplete = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+        return ResponsesResponse(
+            id=request.request_id,
+            created_at=self.created_at,
+            status=status,
+            error=error,
+            incomplete_details=incomplete,
+            model=self.model,
+            output=list(output),
+            usage=usage,
+            instructions=request.instructions,
+            max_output_tokens=self.max_output_tokens,
+            max_tool_calls=request.max_tool_calls,
+            temperature=self.params.temperature,
+            top_p=self.params.top_p,
+            top_logprobs=self.params.logprobs,
+            tools=request.tools or [],
+            tool_choice=request.tool_choice or "auto",
+            parallel_tool_calls=self.parallel_tool_calls,
+            text=request.text or {"format": {"type": "text"}},
+            truncation=request.truncation or "disabled",
+            metadata=request.metadata or {},
+            user=request.user,
+            safety_identifier=request.safety_identifier,
+            prompt_cache_key=request.prompt_cache_key,
+            service_tier=request.service_tier or "auto",
+        )
+
+
+def _status(finish_reason: str | None) -> str:
+    """The response's status: cut by the token limit (or the context) is incomplete."""
+    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
+
+
+def _item_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason in ("length", "abort") else "completed"
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+async def _complete(reply: _Reply, stream: RequestStream) -> Response:
+    try:
+        result = await collect(stream)
+    except (EngineDeadError, StreamDroppedError) as error:
+        raise engine_failure(error) from error
+    completion = result.completions[0]
+    answer = parse_answer(
+        completion.text, reply.tools, reply.tool_choice, reply.parallel_tool_calls
+    )
+    item_status = _item_status(completion.finish_reason)
+    output: list[OutputItem] = []
+    if answer.content or not answer.calls:
+        text = OutputText(
+            text=answer.content or "",
+            logprobs=reply.logprobs(completion.token_ids, completion.logprobs),
+        )
+        # A message before calls was complete when they began.
+        status = "completed" if answer.calls else item_status
+        output.append(OutputMessage(id=_item_id("msg"), status=status, content=[text]))
+    for call in answer.calls:
+        output.append(
+            FunctionCall(
+                id=_item_id("fc"),
+                call_id=call.id,
+                name=call.name,
+                arguments=call.arguments,
+                status=item_status,
+            )
+        )
+    usage = ResponseUsage.of(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)
+    return json_response(reply.response(_status(completion.finish_reason), output, usage))
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+class _Events:
+    """OpenAI's typed server-sent events, numbered in the order they are sent."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {to_json(body).decode()}\n\n"
+
+
+@dataclass(slots=True)
+class _StreamedOutput:
+    """A streamed response's output items, announced as the answer's text comes.
+
+    The text streams into one message item, opened by its first piece; a tool call closes
+    the message (complete) and opens a function_call item, whose arguments stream as they
+    come (a named tool choice) or whole once parsed (auto, required). ``items`` ends up as
+    the non-streamed answer's ``output`` for the same text.
+    """
+
+    reply: _Reply
+    event: _Events
+    items: list[OutputItem] = field(default_factory=list)
+    message: OutputMessage | None = None  # while its text streams
+    logprobs: list[ChatTokenLogprob] = field(default_factory=list)  # all the tokens'
+    unsent: list[ChatTokenLogprob] = field(default_factory=list)  # text not sent yet
+    calls: dict[int, FunctionCall] = field(default_factory=dict)  # by the answer's index
+
+    def add_logprobs(self, entries: list[ChatTokenLogprob] | None) -> None:
+        """A delta's logprobs; they go out with the next piece of text."""
+        self.logprobs.extend(entries or [])
+        self.unsent.extend(entries or [])
+
+    def text(self, piece: str) -> Iterator[str]:
+        """A piece of the message's text, with the logprobs of the tokens not sent yet
+        (a token may add no text of its own: part of a character, a skipped special)."""
+        if not piece:
+            return
+        if self.message is None:
+            yield from self._open_message()
+        yield self._delta(piece)
+
+    def call(self, delta: dict[str, Any]) -> Iterator[str]:
+        """A chat tool-call delta (``tool_calls.ToolCallStreamer``'s)."""
+        index, function = delta["index"], delta["function"]
+        call = self.calls.get(index)
+        if call is None:
+            if self.message is not None:
+                yield from self._close_message("completed")
+            call = FunctionCall(
+                id=_item_id("fc"), call_id=delta["id"], name=function["name"], arguments=""
+            )
+            self.calls[index] = call
+            self.items.append(call)
+            yield self.event("response.output_item.added", **self._index(call), item=call)
+        if function.get("arguments"):
+            call.arguments += function["arguments"]
+            yield self.event(
+                "response.function_call_arguments.delta",
+                **self._where(call),
+                delta=function["arguments"],
+            )
+
+    def finish(self, status: str) -> Iterator[str]:
+        """Close what is open; an answer of nothing is an empty message, as unstreamed."""
+        if not self.items:
+            yield from self._open_message()
+        if self.message is not None:
+            if self.unsent:  # the last tokens added no text: their logprobs still go out
+                yield self._delta("")
+            yield from self._close_message(status)
+        for call in self.calls.values():
+            call.status = status
+            yield self.event(
+                "response.function_call_arguments.done",
+                **self._where(call),
+                name=call.name,
+                arguments=call.arguments,
+            )
+            yield self.event("response.output_item.done", **self._index(call), item=call)
+
+    def _open_message(self) -> Iterator[str]:
+        logprobs = [] if self.reply.params.logprobs is not None else None
+        message = OutputMessage(id=_item_id("msg"))
+        self.items.append(message)
+        yield self.event("response.output_item.added", **self._index(message), item=message)
+        message.content.append(OutputText(text="", logprobs=logprobs))
+        yield self.event(
+            "response.content_part.added",
+            **self._where(message),
+            content_index=0,
+            part=message.content[0],
+        )
+        self.message = message
+
+    def _delta(self, piece: str) -> str:
+        message = self.message
+        assert message is not None
+        message.content[0].text += piece
+        event = self.event(
+            "response.output_text.delta",
+            **self._where(message),
+            content_index=0,
+            delta=piece,
+            logprobs=self.unsent,
+        )
+        self.unsent = []
+        return event
+
+    def _close_message(self, status: str) -> Iterator[str]:
+        message, self.message = self.message, None
+        assert message is not None
+        part = message.content[0]
+        if part.logprobs is not None:
+            part.logprobs = list(self.logprobs)
+        where = {**self._where(message), "content_index": 0}
+        yield self.event(
+            "response.output_text.done", **where, text=part.text, logprobs=part.logprobs or []
+        )
+        yield self.event("response.content_part.done", **where, part=part)
+        message.status = status
+        yield self.event("response.output_item.done", **self._index(message), item=message)
+
+    def _index(self, item: OutputItem) -> dict[str, int]:
+        return {"output_index": self.items.index(item)}
+
+    def _where(self, item: OutputItem) -> dict[str, Any]:
+        return {"item_id": item.id, **self._index(item)}
+
+
+async def _stream(reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
+    event = _Events()
+    output = _StreamedOutput(reply, event)
+    started = reply.response("in_progress")
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
+    streamer = reply.streamer()
+    finish_reason: str | None = None
+    usage = ResponseUsage.of(0, 0, 0)
+    try:
+        async for delta in stream:
+            output.add_logprobs(reply.logprobs(delta.token_ids, delta.logprobs))
+            content, calls = streamer.feed(delta.text)
+            if delta.finish_reason is not None:
+                finish_reason = delta.finish_reason
+                rest, more = streamer.finish()
+                content, calls = content + rest, calls + more
+            for piece in output.text(content):
+                yield piece
+            for call in calls:
+                for piece in output.call(call):
+                    yield piece
+            usage = ResponseUsage.of(
+                delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
+            )
+        for piece in output.finish(_item_status(finish_reason)):
+            yield piece
+        final = reply.response(_status(finish_reason), output.items, usage)
+        yield event("response.completed", response=final)
+    except (EngineDeadError, StreamDroppedError) as error:
+        failure = stream_failure(error)
+        yield event("error", code=failure.code, message=failure.message, param=failure.param)
+        failed = ResponseError(code=failure.code or "server_error", message=failure.message)
+        yield event("response.failed", response=reply.response("failed", output.items, error=failed))
+    finally:
+        stream.close()
