@@ -32,6 +32,7 @@ MAX_EXAMPLES = 40
 BODY_ROUTES = {
     "/v1/completions": "CompletionRequest",
     "/v1/chat/completions": "ChatCompletionRequest",
+    "/v1/responses": "ResponsesRequest",
     "/tokenize": "TokenizeRequest",
     "/detokenize": "DetokenizeRequest",
 }
@@ -101,9 +102,12 @@ def _fuzz(server: FuzzServer, operation: Any, mode: schemathesis.GenerationMode)
     def run(case: Any) -> None:
         if isinstance(case.body, dict) and mode is schemathesis.GenerationMode.POSITIVE:
             # Bound the cost of the cases the server accepts: a few tokens each.
-            case.body["max_tokens"] = 2
-            case.body.pop("max_completion_tokens", None)
-            case.body["n"] = 1
+            if operation.path == "/v1/responses":
+                case.body["max_output_tokens"] = 2
+            else:
+                case.body["max_tokens"] = 2
+                case.body.pop("max_completion_tokens", None)
+                case.body["n"] = 1
         response = case.call(base_url=server.url, timeout=60)
         TALLY.add(response.status_code)
         case.validate_response(response, checks=checks)
