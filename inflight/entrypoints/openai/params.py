@@ -172,8 +172,8 @@ def checked_sampling_params(renamed: Mapping[str, str], **fields: Any) -> Sampli
         return SamplingParams(**fields)
     except ValueError as error:
         openai_error = from_engine_error(error)
-        if openai_error.param in renamed:
-            openai_error.param = renamed[openai_error.param]
+        if openai_error.param is not None:
+            openai_error.param = renamed.get(openai_error.param, openai_error.param)
         raise openai_error from error
 
 

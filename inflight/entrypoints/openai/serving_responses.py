@@ -384,7 +384,9 @@ class _StreamedOutput:
             yield self.event("response.output_item.done", **self._index(call), item=call)
 
     def _open_message(self) -> Iterator[str]:
-        logprobs = [] if self.reply.params.logprobs is not None else None
+        logprobs: list[ChatTokenLogprob] | None = (
+            [] if self.reply.params.logprobs is not None else None
+        )
         message = OutputMessage(id=_item_id("msg"))
         self.items.append(message)
         yield self.event("response.output_item.added", **self._index(message), item=message)
