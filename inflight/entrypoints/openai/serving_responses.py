@@ -38,14 +38,13 @@ from fastapi import Request, Response
 from pydantic_core import to_json
 
 from inflight.engine.request_stream import EngineDeadError, RequestStream, StreamDroppedError
-from inflight.entrypoints.chat_utils import ChatOptions
 from inflight.entrypoints.openai.logprobs import chat_logprobs
 from inflight.entrypoints.openai.params import (
     check_length,
     check_prompt_ids,
     checked_sampling_params,
 )
-from inflight.entrypoints.openai.protocol import ChatMessage, ChatTokenLogprob
+from inflight.entrypoints.openai.protocol import ChatTokenLogprob
 from inflight.entrypoints.openai.protocol_responses import (
     FunctionCall,
     IncompleteDetails,
@@ -94,7 +93,7 @@ from inflight.entrypoints.openai.tool_calls import (
 )
 from inflight.model.token_bytes import TokenBytes, token_bytes_of
 from inflight.outputs import SampleLogprobs
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The engine's names for the request's fields, where they differ (for 400s).
 _RENAMED = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens"}
@@ -111,37 +110,17 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
     model = state.resolve_model(request.model)
     log_unknown_fields(request, "/v1/responses")
     refuse_unsupported(request, RESPONSES_FIELDS)
-    conversation = chat_input(request.instructions, request.input)
     tools = parse_tools(chat_tools(request.tools))
     tool_choice = parse_tool_choice(chat_tool_choice(request.tool_choice), tools)
     text_format = structured_outputs_of(
         response_format(request.text), request.structured_outputs, "text.format"
     )
     constraint = answer_constraint(tools, tool_choice, text_format, "text.format")
-    continued = conversation.continue_final_message
-    options = chat_options(add_generation_prompt=not continued, continue_final_message=continued)
-    token_ids = await off_loop(_prompt_ids, state, conversation.messages, options, tools)
+    params = _sampling_params(request, constraint)
+    token_ids = await off_loop(_prompt_ids, state, request, tools)
     max_model_len = state.engine.max_model_len
     check_length(
         len(token_ids), request.max_output_tokens, max_model_len, "input", "max_output_tokens"
-    )
-    params = checked_sampling_params(
-        _RENAMED,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=request.top_k or 0,
-        seed=request.seed,
-        max_tokens=request.max_output_tokens,
-        stop=request.stop,
-        ignore_eos=request.ignore_eos,
-        skip_special_tokens=request.skip_special_tokens,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        repetition_penalty=(
-            1.0 if request.repetition_penalty is None else request.repetition_penalty
-        ),
-        logit_bias=dict(request.logit_bias) if request.logit_bias else None,
-        logprobs=(request.top_logprobs or 0) if wants_logprobs(request.include) else None,
-        structured_outputs=constraint,
     )
     (stream,) = await add_requests(
         state.engine,
@@ -171,14 +150,43 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
     return await _complete(reply, stream)
 
 
+def _sampling_params(
+    request: ResponsesRequest, constraint: StructuredOutputsParams | None
+) -> SamplingParams:
+    """The engine's parameters, with chat's defaults where the request is silent; logprobs
+    only when ``include`` asks for them (vLLM's rule)."""
+    logprobs = (request.top_logprobs or 0) if wants_logprobs(request.include) else None
+    return checked_sampling_params(
+        _RENAMED,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        seed=request.seed,
+        max_tokens=request.max_output_tokens,
+        stop=request.stop,
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        repetition_penalty=(
+            1.0 if request.repetition_penalty is None else request.repetition_penalty
+        ),
+        logit_bias=dict(request.logit_bias) if request.logit_bias else None,
+        logprobs=logprobs,
+        structured_outputs=constraint,
+    )
+
+
 def _prompt_ids(
-    state: ServerState,
-    messages: list[ChatMessage],
-    options: ChatOptions,
-    tools: Sequence[FunctionTool],
+    state: ServerState, request: ResponsesRequest, tools: Sequence[FunctionTool]
 ) -> list[int]:
-    """The conversation's token ids, rendered as chat renders them (runs off the loop)."""
-    token_ids = render_messages(state, messages, options, tools, "input").prompt_token_ids
+    """The input's token ids, rendered as chat renders the same messages (runs off the
+    event loop: its cost grows with the input)."""
+    conversation = chat_input(request.instructions, request.input)
+    continued = conversation.continue_final_message
+    options = chat_options(add_generation_prompt=not continued, continue_final_message=continued)
+    token_ids = render_messages(
+        state, conversation.messages, options, tools, "input"
+    ).prompt_token_ids
     check_prompt_ids(token_ids, state.engine.vocab_size, "input")
     return token_ids
 
@@ -466,7 +474,8 @@ async def _stream(reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
     except (EngineDeadError, StreamDroppedError) as error:
         failure = stream_failure(error)
         yield event("error", code=failure.code, message=failure.message, param=failure.param)
-        failed = ResponseError(code=failure.code or "server_error", message=failure.message)
+        code = failure.code or ("server_error" if failure.status >= 500 else failure.type)
+        failed = ResponseError(code=code, message=failure.message)
         yield event("response.failed", response=reply.response("failed", output.items, error=failed))
     finally:
         stream.close()
