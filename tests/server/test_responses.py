@@ -108,20 +108,6 @@ def test_item_list_input_equals_chat(client: openai.OpenAI) -> None:
     assert response.usage.input_tokens == 6  # every item's words (the template joins them)
 
 
-def test_incomplete_final_assistant_message_is_continued(client: openai.OpenAI) -> None:
-    """vLLM's rule: a last assistant item in_progress/incomplete is continued, not answered
-    (chat's continue_final_message)."""
-    items: list[Any] = [
-        {"role": "user", "content": "w3"},
-        {"type": "message", "role": "assistant", "status": "incomplete", "id": "msg_1",
-         "content": [{"type": "output_text", "text": "w4 w5", "annotations": []}]},
-    ]
-    messages = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4 w5"}]
-    continued = _chat(client, messages, 4, extra_body={
-        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True})
-    _assert_same_answer(_responses(client, input=items, max_output_tokens=4), continued)
-
-
 def test_function_call_items_render_as_chat_tool_calls(client: openai.OpenAI) -> None:
     tools: list[Any] = [{"type": "function", "name": "lookup", "description": "w12",
                          "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]
@@ -582,6 +568,26 @@ def test_default_model_equals_chat_streamed_or_not(smol: openai.OpenAI) -> None:
         final = stream.get_final_response()
     assert final.output_text == response.output_text
     assert final.usage is not None and final.usage.input_tokens == response.usage.input_tokens
+
+
+def test_incomplete_final_assistant_message_is_continued(smol: openai.OpenAI) -> None:
+    """vLLM's rule: a last assistant item in_progress/incomplete is continued, not answered
+    (chat's continue_final_message, which leaves the template's end-of-turn off)."""
+    items: list[Any] = [
+        {"role": "user", "content": "Count to five, comma separated."},
+        {"type": "message", "role": "assistant", "status": "incomplete", "id": "msg_1",
+         "content": [{"type": "output_text", "text": "1, 2, 3,", "annotations": []}]},
+    ]
+    continued = smol.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=6,
+        messages=[items[0], {"role": "assistant", "content": "1, 2, 3,"}],
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    response = smol.responses.create(model=MODEL, temperature=0, max_output_tokens=6, input=items)
+    _assert_same_answer(response, continued)
+    # A completed assistant message is answered instead: a new turn, another prompt.
+    items[1]["status"] = "completed"
+    answered = smol.responses.create(model=MODEL, temperature=0, max_output_tokens=6, input=items)
+    assert answered.usage.input_tokens > response.usage.input_tokens
 
 
 def test_default_model_renders_tool_history_as_chat(smol: openai.OpenAI) -> None:
