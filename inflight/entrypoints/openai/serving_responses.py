@@ -260,7 +260,8 @@ class _Reply:
 
 
 def _status(finish_reason: str | None) -> str:
-    """The response's status: cut by the token limit (or the context) is incomplete."""
+    """The response's status: cut by the token limit (or the context) is incomplete;
+    aborted by the server (shutting down) is cancelled."""
     return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
 
 
