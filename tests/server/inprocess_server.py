@@ -29,6 +29,7 @@ class InProcessServer:
         grace_s: float = 30.0,
         trust_request_chat_template: bool = True,
         chat_template_content_format: str = "auto",
+        chat_template: str | None = None,
         **engine_options: Any,
     ):
         self.async_engine = AsyncLLMEngine.from_options(str(model_dir), **engine_options)
@@ -36,7 +37,8 @@ class InProcessServer:
             self.async_engine,
             ServerConfig(served_model_names=("tiny",), api_key=api_key,
                          trust_request_chat_template=trust_request_chat_template,
-                         chat_template_content_format=chat_template_content_format),
+                         chat_template_content_format=chat_template_content_format,
+                         chat_template=chat_template),
         )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -16,16 +16,19 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from inprocess_server import InProcessServer
 from openai.types.responses import response_create_params
 from pydantic import BaseModel
-from server_harness import API_KEY, ServerProcess
+from server_harness import API_KEY, CHAT_TEMPLATE, ServerProcess
 
+from helpers.tiny_model import with_generation_config
 from inflight.engine.request_stream import EngineDeadError, RequestDelta
 from inflight.entrypoints.openai.protocol_responses import ResponsesRequest
 from inflight.entrypoints.openai.request_fields import RESPONSES_FIELDS, Implemented, Refused
@@ -203,6 +206,28 @@ def test_logprobs_equal_chat(client: openai.OpenAI) -> None:
     # Without include, no logprobs (vLLM's rule).
     plain = _responses(client, input="w3 w4", max_output_tokens=4, top_logprobs=2)
     assert plain.output[0].content[0].logprobs is None and plain.top_logprobs is None
+
+
+def test_the_model_s_generation_config_is_the_default(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """As on chat (and in vLLM): fields the request leaves out come from the model's
+    generation config, whose max_new_tokens caps even max_output_tokens."""
+    configured = with_generation_config(tiny_llama_dir, tmp_path / "tiny", max_new_tokens=4,
+                                        temperature=0.0, repetition_penalty=1.3)
+    server = InProcessServer(configured, chat_template=CHAT_TEMPLATE).start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        silent = client.responses.create(model=TINY, input="w3 w4",
+                                         extra_body={"ignore_eos": True})
+        explicit = client.responses.create(
+            model=TINY, input="w3 w4", temperature=0, max_output_tokens=10,
+            extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+        chat = client.chat.completions.create(model=TINY, extra_body={"ignore_eos": True},
+                                              messages=[{"role": "user", "content": "w3 w4"}])
+        assert silent.output_text == explicit.output_text == chat.choices[0].message.content
+        assert silent.usage.output_tokens == explicit.usage.output_tokens == 4
+        assert silent.temperature == 0 and silent.max_output_tokens == 4
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------- streaming (tiny)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +40,11 @@ from pydantic_core import to_json
 from inflight.engine.request_stream import EngineDeadError, RequestStream, StreamDroppedError
 from inflight.entrypoints.openai.logprobs import chat_logprobs
 from inflight.entrypoints.openai.params import (
+    capped_max_tokens,
     check_length,
     check_prompt_ids,
     checked_sampling_params,
+    given,
 )
 from inflight.entrypoints.openai.protocol import ChatTokenLogprob
 from inflight.entrypoints.openai.protocol_responses import (
@@ -116,7 +118,7 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
         response_format(request.text), request.structured_outputs, "text.format"
     )
     constraint = answer_constraint(tools, tool_choice, text_format, "text.format")
-    params = _sampling_params(request, constraint)
+    params = _sampling_params(request, constraint, state.engine.default_sampling_params)
     token_ids = await off_loop(_prompt_ids, state, request, tools)
     max_model_len = state.engine.max_model_len
     check_length(
@@ -139,7 +141,7 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
         model=model,
         params=params,
         # vLLM echoes the effective limit: what the context leaves when none was asked for.
-        max_output_tokens=request.max_output_tokens or max_model_len - len(token_ids),
+        max_output_tokens=params.max_tokens or max_model_len - len(token_ids),
         tools=tools,
         tool_choice=tool_choice,
         decode=lambda token_id: str(tokenizer.decode([token_id])),
@@ -151,25 +153,27 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
 
 
 def _sampling_params(
-    request: ResponsesRequest, constraint: StructuredOutputsParams | None
+    request: ResponsesRequest,
+    constraint: StructuredOutputsParams | None,
+    defaults: Mapping[str, Any],
 ) -> SamplingParams:
-    """The engine's parameters, with chat's defaults where the request is silent; logprobs
-    only when ``include`` asks for them (vLLM's rule)."""
+    """The engine's parameters; where the request is silent, the model's generation config
+    (``defaults``), else OpenAI's, as on chat (so ``min_p`` too, which this request has no
+    field for). Logprobs only when ``include`` asks for them (vLLM's rule)."""
     logprobs = (request.top_logprobs or 0) if wants_logprobs(request.include) else None
     return checked_sampling_params(
         _RENAMED,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=request.top_k or 0,
+        temperature=given(request.temperature, defaults, "temperature", 1.0),
+        top_p=given(request.top_p, defaults, "top_p", 1.0),
+        top_k=given(request.top_k, defaults, "top_k", 0),
+        min_p=defaults.get("min_p", 0.0),
         seed=request.seed,
-        max_tokens=request.max_output_tokens,
+        max_tokens=capped_max_tokens(request.max_output_tokens, defaults),
         stop=request.stop,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        repetition_penalty=(
-            1.0 if request.repetition_penalty is None else request.repetition_penalty
-        ),
+        repetition_penalty=given(request.repetition_penalty, defaults, "repetition_penalty", 1.0),
         logit_bias=dict(request.logit_bias) if request.logit_bias else None,
         logprobs=logprobs,
         structured_outputs=constraint,
