@@ -5,11 +5,16 @@ is how vLLM scripts start. Each such argument is accepted at a value that change
 here (logged when it would change something in vLLM), and refused by name, with the
 reason, at any other value: never silently ignored. Arguments inflight implements are in
 :func:`inflight.config.make_engine_config`; anything in neither is a ``TypeError`` there.
+
+``inflight serve`` takes the same table as vLLM's command-line flags (``-tp 1``,
+``--enforce-eager``, ``--gpu-memory-utilization 0.9``): see
+:func:`inflight.entrypoints.engine_args.add_vllm_only_args`.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,84 +25,144 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class Accepts:
+    """A test of a value, with the values it lets through in words (for ``--help``)."""
+
+    test: Callable[[Any], bool]
+    text: str
+
+    def __call__(self, value: Any) -> bool:
+        return self.test(value)
+
+
+@dataclass(frozen=True, slots=True)
 class Neutral:
-    """Accepted when ``accepts(value)``; ``note`` says what inflight does instead."""
+    """Accepted when ``accepts(value)``; ``note`` says what inflight does instead.
 
-    accepts: Callable[[Any], bool]
+    ``parse`` reads the value from vLLM's command-line flag (``--tensor-parallel-size``,
+    plus ``aliases`` such as ``-tp``); None for an on/off flag (``--x`` / ``--no-x``)."""
+
+    accepts: Accepts
     note: str
+    parse: Callable[[str], Any] | None = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def is_switch(self) -> bool:
+        return self.parse is None
 
 
-def _equals(*values: Any) -> Callable[[Any], bool]:
-    return lambda value: value in values
+def _equals(*values: Any) -> Accepts:
+    return Accepts(lambda value: value in values, " or ".join(_spelled(v) for v in values))
 
 
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
+def _spelled(value: Any) -> str:
+    """A value as ``--help`` writes it: None, 1, auto; an empty string or dict as JSON."""
+    if isinstance(value, (dict, str)) and not value:
+        return json.dumps(value)
+    return str(value)
 
 
-def _fraction(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _non_negative(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+_IS_BOOL = Accepts(lambda value: isinstance(value, bool), "True or False")
+_IS_INT = Accepts(lambda value: isinstance(value, int), "any integer")
+_FRACTION = Accepts(lambda value: _is_number(value) and 0 < value <= 1, "a fraction in (0, 1]")
+_NON_NEGATIVE = Accepts(lambda value: _is_number(value) and value >= 0, "any number >= 0")
+_NO_OVERRIDES = Accepts(lambda value: value is None or value == {}, "None or {}")
+_ANY_NAMES = Accepts(
+    lambda value: value is None or isinstance(value, (str, list, tuple)), "any name(s)")
+_NO_MEDIA = Accepts(
+    lambda value: value is None or (isinstance(value, dict) and not any(value.values())),
+    'None or zero items per modality ({"image": 0})')
+
+
+def optional_str(text: str) -> str | None:
+    """vLLM's reading of an optional string flag: '' and 'None' are None."""
+    return None if text in ("", "None") else text
+
+
+def json_value(text: str) -> Any:
+    """A flag's JSON value (vLLM's dict flags); 'None' is None."""
+    if text == "None":
+        return None
+    return json.loads(text)
+
+
+def level_or_json(text: str) -> Any:
+    """``--compilation-config`` / ``-O``: an optimisation level, or a JSON object."""
+    return int(text) if text.strip().isdigit() else json_value(text)
 
 
 _ONE_DEVICE = "one engine runs on one device; scale out with data-parallel replicas on Ray"
+_FROM_PATH = "models load from a local path, not the Hub"
 VLLM_ONLY_ARGS: dict[str, Neutral] = {
-    "tensor_parallel_size": Neutral(_equals(1), f"tensor parallelism is not supported ({_ONE_DEVICE})"),
-    "pipeline_parallel_size": Neutral(_equals(1), f"pipeline parallelism is not supported ({_ONE_DEVICE})"),
-    "data_parallel_size": Neutral(_equals(1), "data parallelism runs on Ray: inflight serve --data-parallel-size"),
-    "enforce_eager": Neutral(_is_bool, "inflight always runs eagerly (no CUDA graphs)"),
-    "max_seq_len_to_capture": Neutral(lambda v: isinstance(v, int), "inflight captures no CUDA graphs"),
-    "disable_custom_all_reduce": Neutral(_is_bool, "inflight has no all-reduce"),
-    "disable_async_output_proc": Neutral(_is_bool, "outputs are processed in the engine step"),
-    "disable_log_stats": Neutral(_is_bool, "the offline engine logs no periodic stats"),
-    "trust_remote_code": Neutral(_is_bool, "inflight runs its own Llama code, never a checkpoint's"),
+    "tensor_parallel_size": Neutral(
+        _equals(1), f"tensor parallelism is not supported ({_ONE_DEVICE})", int, ("-tp",)),
+    "pipeline_parallel_size": Neutral(
+        _equals(1), f"pipeline parallelism is not supported ({_ONE_DEVICE})", int, ("-pp",)),
+    "data_parallel_size": Neutral(
+        _equals(1), "data parallelism runs on Ray: inflight serve --data-parallel-size", int,
+        ("-dp",)),
+    "enforce_eager": Neutral(_IS_BOOL, "inflight always runs eagerly (no CUDA graphs)"),
+    "max_seq_len_to_capture": Neutral(_IS_INT, "inflight captures no CUDA graphs", int),
+    "disable_custom_all_reduce": Neutral(_IS_BOOL, "inflight has no all-reduce"),
+    "disable_async_output_proc": Neutral(_IS_BOOL, "outputs are processed in the engine step"),
+    "disable_log_stats": Neutral(
+        _IS_BOOL, "inflight logs no periodic stats (a server's are at /metrics)"),
+    "trust_remote_code": Neutral(
+        _IS_BOOL, "inflight runs its own Llama code, never a checkpoint's"),
     "gpu_memory_utilization": Neutral(
-        _fraction, "the KV cache is sized by kv_cache_memory_bytes (or num_kv_blocks), as vLLM's "
-        "CPU backend sizes it by VLLM_CPU_KVCACHE_SPACE"),
-    "swap_space": Neutral(_non_negative, "preempted requests are recomputed, never swapped"),
-    "cpu_offload_gb": Neutral(_equals(0), "weights are never offloaded"),
-    "tokenizer": Neutral(_equals(None), "the tokenizer always comes with the model (its directory or GGUF file)"),
-    "tokenizer_mode": Neutral(_equals("auto"), "the model's fast tokenizer is always used"),
+        _FRACTION, "the KV cache is sized by kv_cache_memory_bytes (or num_kv_blocks), as "
+        "vLLM's CPU backend sizes it by VLLM_CPU_KVCACHE_SPACE", float),
+    "swap_space": Neutral(
+        _NON_NEGATIVE, "preempted requests are recomputed, never swapped", float),
+    "cpu_offload_gb": Neutral(_equals(0), "weights are never offloaded", float),
+    "tokenizer": Neutral(
+        _equals(None), "the tokenizer always comes with the model (its directory or GGUF "
+        "file)", optional_str),
+    "tokenizer_mode": Neutral(
+        _equals("auto"), "the model's fast tokenizer is always used", str),
     "skip_tokenizer_init": Neutral(_equals(False), "the tokenizer is always loaded"),
-    "revision": Neutral(_equals(None), "models load from a local path, not the Hub"),
-    "tokenizer_revision": Neutral(_equals(None), "models load from a local path, not the Hub"),
-    "code_revision": Neutral(_equals(None), "models load from a local path, not the Hub"),
-    "download_dir": Neutral(_equals(None), "models load from a local path, not the Hub"),
-    "hf_token": Neutral(_equals(None), "models load from a local path, not the Hub"),
-    "load_format": Neutral(_equals("auto"), "the format is read from the model path (safetensors or GGUF)"),
-    "hf_overrides": Neutral(lambda v: v is None or v == {}, "the model's config is used as it is"),
-    "compilation_config": Neutral(_equals(None, 0), "inflight compiles no graphs"),
+    "revision": Neutral(_equals(None), _FROM_PATH, optional_str),
+    "tokenizer_revision": Neutral(_equals(None), _FROM_PATH, optional_str),
+    "code_revision": Neutral(_equals(None), _FROM_PATH, optional_str),
+    "download_dir": Neutral(_equals(None), _FROM_PATH, optional_str),
+    "hf_token": Neutral(_equals(None), _FROM_PATH, optional_str),
+    "load_format": Neutral(
+        _equals("auto"), "the format is read from the model path (safetensors or GGUF)", str),
+    "hf_overrides": Neutral(_NO_OVERRIDES, "the model's config is used as it is", json_value),
+    "compilation_config": Neutral(
+        _equals(None, 0), "inflight compiles no graphs", level_or_json, ("-O",)),
     "enable_lora": Neutral(_equals(False), "LoRA adapters are not supported"),
     "enable_sleep_mode": Neutral(_equals(False), "the engine never sleeps"),
     "distributed_executor_backend": Neutral(
         _equals(None, "mp", "uni"), "the engine runs in this process (data parallelism: "
-        "inflight serve --data-parallel-backend ray)"),
-    "task": Neutral(_equals("auto", "generate"), "inflight runs generative models only"),
-    "runner": Neutral(_equals("auto", "generate"), "inflight runs generative models only"),
+        "inflight serve --data-parallel-backend ray)", optional_str),
+    "task": Neutral(_equals("auto", "generate"), "inflight runs generative models only", str),
+    "runner": Neutral(_equals("auto", "generate"), "inflight runs generative models only", str),
     "served_model_name": Neutral(
-        lambda v: v is None or isinstance(v, (str, list, tuple)),
-        "offline outputs carry no model name (the server's is inflight serve --served-model-name)"),
-    "limit_mm_per_prompt": Neutral(
-        lambda v: v is None or (isinstance(v, dict) and not any(v.values())),
-        "this model reads text only"),
-    "mm_processor_kwargs": Neutral(lambda v: v is None or v == {}, "this model reads text only"),
-    "speculative_config": Neutral(_equals(None), "speculative decoding is not supported"),
-    "kv_transfer_config": Neutral(_equals(None), "KV transfer is not supported"),
+        _ANY_NAMES, "offline outputs carry no model name (the server's is inflight serve "
+        "--served-model-name)", str),
+    "limit_mm_per_prompt": Neutral(_NO_MEDIA, "this model reads text only", json_value),
+    "mm_processor_kwargs": Neutral(_NO_OVERRIDES, "this model reads text only", json_value),
+    "speculative_config": Neutral(
+        _equals(None), "speculative decoding is not supported", json_value),
+    "kv_transfer_config": Neutral(_equals(None), "KV transfer is not supported", json_value),
     "structured_outputs_config": Neutral(
-        _equals(None), "structured outputs always use llguidance"),
-    "disable_log_requests": Neutral(_is_bool, "the offline engine logs no requests"),
+        _equals(None), "structured outputs always use llguidance", json_value),
+    "disable_log_requests": Neutral(_IS_BOOL, "the offline engine logs no requests"),
     "enable_log_requests": Neutral(_equals(False), "the offline engine logs no requests"),
     "logprobs_mode": Neutral(
         _equals("raw_logprobs"),
-        "logprobs are always the model's raw distribution (vLLM's raw_logprobs)"),
-    "async_scheduling": Neutral(_is_bool, "each step is scheduled after the previous one"),
-    "disable_sliding_window": Neutral(_is_bool, "Llama models have no sliding window"),
-    "model_impl": Neutral(_equals("auto", "vllm"), "inflight runs its own Llama code"),
-    "use_tqdm_on_load": Neutral(_is_bool, "loading shows no progress bar"),
-    "allowed_local_media_path": Neutral(_equals(""), "this model reads text only"),
+        "logprobs are always the model's raw distribution (vLLM's raw_logprobs)", str),
+    "async_scheduling": Neutral(_IS_BOOL, "each step is scheduled after the previous one"),
+    "disable_sliding_window": Neutral(_IS_BOOL, "Llama models have no sliding window"),
+    "model_impl": Neutral(_equals("auto", "vllm"), "inflight runs its own Llama code", str),
+    "use_tqdm_on_load": Neutral(_IS_BOOL, "loading shows no progress bar"),
+    "allowed_local_media_path": Neutral(_equals(""), "this model reads text only", str),
 }
 
 
@@ -108,6 +173,15 @@ def _same_path(a: Any, b: str | None) -> bool:
     given = Path(a).expanduser().resolve()
     # a GGUF file's tokenizer is inside it: its folder names the same model
     return given == target or (target.suffix == ".gguf" and given == target.parent)
+
+
+def refusal(name: str, value: Any, model: str | None = None) -> str | None:
+    """Why vLLM-only argument ``name`` cannot be ``value`` here, or None if it may.
+    ``tokenizer`` may also name ``model`` itself (vLLM's ``LLM(model=p, tokenizer=p)``)."""
+    if name == "tokenizer" and _same_path(value, model):
+        return None
+    rule = VLLM_ONLY_ARGS[name]
+    return None if rule.accepts(value) else rule.note
 
 
 def take_vllm_only_args(options: dict[str, Any], model: str | None = None) -> dict[str, Any]:
@@ -127,14 +201,12 @@ def take_vllm_only_args(options: dict[str, Any], model: str | None = None) -> di
         name: value for name, value in options.items()
         if not (value is None and defaults.get(name) is not None)
     }
-    if _same_path(kept.get("tokenizer"), model):
-        kept.pop("tokenizer")  # vLLM's LLM(model=p, tokenizer=p): the model's own
     for name, rule in VLLM_ONLY_ARGS.items():
         if name not in kept:
             continue
         value = kept.pop(name)
-        if not rule.accepts(value):
-            raise ValueError(f"{name}={value!r} is not supported: {rule.note}")
+        if (reason := refusal(name, value, model)) is not None:
+            raise ValueError(f"{name}={value!r} is not supported: {reason}")
         logger.info("%s=%r accepted with no effect: %s", name, value, rule.note)
     unknown = sorted(set(kept) - set(defaults) - {"seed"})
     if unknown:

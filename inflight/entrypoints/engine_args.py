@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 from inflight.config import (
@@ -15,19 +16,23 @@ from inflight.config import (
     KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
 )
+from inflight.vllm_engine_args import VLLM_ONLY_ARGS, Neutral, refusal
+
+MODEL_HELP = "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+# vLLM's --dtype values: half is float16, float is float32 (as LLM(dtype=...) takes them)
+DTYPES = ["auto", "half", "float16", "bfloat16", "float", "float32"]
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
-        parser.add_argument("model", nargs="?", default=None,
-                            help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        add_model_args(parser)
     else:
-        parser.add_argument("--model", default=None,
-                            help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        parser.add_argument("--model", default=None, help=MODEL_HELP)
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    group.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="weights and activations; auto: float32 on the CPU (matches "
-                       "transformers), the model's dtype on CUDA; float16 needs --device cuda")
+                       "transformers), the model's dtype on CUDA; half is float16 (needs "
+                       "--device cuda), float is float32")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
     group.add_argument(
         "--quantization", default=None, choices=["gguf", "none", "w8a8"],
@@ -43,12 +48,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "(per-token, per-head scales; half of bfloat16's bytes for attention to read)",
     )
     group.add_argument("--seed", type=int, default=0, help="engine seed for sampling")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output (default: the model's context length)")
+    group.add_argument("--max-model-len", type=max_model_len_arg, default=None,
+                       help="longest prompt + output, as vLLM reads it: 2048, 4k (4000), 4K "
+                       "(4096), 1m, 1M; -1 or auto: the model's context length (the default)")
     group.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                        help=f"batch slots: most requests in one step (default: "
                        f"{DEFAULT_MAX_NUM_SEQS}; bench throughput's seed8: 8)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+    group.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
                        help=f"token budget of one step (default: "
                        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}; max-model-len without chunked "
                        "prefill)")
@@ -56,12 +62,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                        help="tokens per KV cache block")
     group.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV cache capacity in blocks (default: from --kv-cache-memory-bytes)")
-    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+    group.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
                        help=f"KV cache memory budget (default: {DEFAULT_KV_CACHE_MEMORY_BYTES}, "
-                       "2 GiB), capped at what --max-num-seqs slots can use")
-    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                       action="store_false", default=True,
-                       help="schedule whole prompts only (default: chunked prefill on)")
+                       "2 GiB; 2G is 2 GiB, 2g 2 GB), capped at what --max-num-seqs slots "
+                       "can use")
+    group.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+        help="split long prompts over steps; --no-enable-chunked-prefill schedules whole "
+        "prompts only (on by default, as in vLLM)",
+    )
     group.add_argument(
         "--long-prefill-token-threshold", type=int, default=0,
         help="a prompt with more tokens left than this gets at most this many in one step "
@@ -116,8 +125,127 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """MODEL as the positional argument or as ``--model`` (vLLM's serve takes both)."""
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, action=ModelArgument,
+                        help=MODEL_HELP)
+    parser.add_argument("--model", dest="model", default=None, action=ModelArgument,
+                        help="MODEL given as an option, as vLLM also takes it")
+
+
+class ModelArgument(argparse.Action):
+    """Stores the model; naming two different models (MODEL and ``--model``) is an error."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given != values:
+            parser.error(f"two models given: {given!r} and {values!r}; pass MODEL or --model")
+        setattr(namespace, self.dest, values)
+
+
+_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's human-readable integers: ``2048``; ``4k`` is 4000 (k, m, g, t are powers of
+    ten, and may follow a decimal: ``25.6k``); ``4K`` is 4096 (K, M, G, T are powers of
+    two, after a whole number only)."""
+    text = text.strip()
+    match = _SUFFIXED.fullmatch(text)
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"decimals are not allowed with binary suffixes like {suffix}; "
+            f"did you mean {number}{suffix.lower()}?"
+        )
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
+def max_model_len_arg(text: str) -> int | None:
+    """``--max-model-len`` as vLLM reads it: :func:`human_readable_int`, or ``-1`` /
+    ``auto`` for the model's context length (None: inflight's default)."""
+    if text.strip() == "-1" or text.strip().lower() == "auto":
+        return None
+    return human_readable_int(text)
+
+
+# vLLM-only flags are stored under this prefix, so that a flag a subcommand implements
+# itself (serve's --data-parallel-size) is never taken for one.
+_VLLM_ONLY_DEST = "vllm_only_"
+
+
+def add_vllm_only_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags that mean nothing here, from the table ``LLM()`` uses
+    (:data:`inflight.vllm_engine_args.VLLM_ONLY_ARGS`), each under vLLM's spelling.
+
+    Accepted at the values ``LLM()`` accepts and refused otherwise, by
+    :func:`engine_options`. A flag the parser already has is left to it."""
+    group = parser.add_argument_group(
+        "vLLM engine flags with no effect here (accepted at the values shown, refused "
+        "with the reason at any other)"
+    )
+    for name, rule in VLLM_ONLY_ARGS.items():
+        flags = vllm_flags(name, rule)
+        if any(flag in parser._option_string_actions for flag in flags):
+            continue
+        group.add_argument(
+            *flags, dest=_VLLM_ONLY_DEST + name, default=argparse.SUPPRESS,
+            help=f"accepted {_accepted(flags[0], rule)}, with no effect: {rule.note}",
+            **_value_kind(rule),
+        )
+
+
+def vllm_flags(name: str, rule: Neutral) -> list[str]:
+    """vLLM's spellings of argument ``name``: ``--tensor-parallel-size``, ``-tp``."""
+    return ["--" + name.replace("_", "-"), *rule.aliases]
+
+
+def _accepted(flag: str, rule: Neutral) -> str:
+    """The values ``rule`` accepts, as ``--help`` says them."""
+    if not rule.is_switch:
+        return f"as {rule.accepts.text}"
+    on, off = rule.accepts(True), rule.accepts(False)
+    if on and off:
+        return "either way"
+    return f"as {flag} only" if on else f"as --no-{flag[2:]} only"
+
+
+def _value_kind(rule: Neutral) -> dict[str, Any]:
+    if rule.is_switch:
+        return {"action": argparse.BooleanOptionalAction}
+    return {"type": rule.parse, "metavar": "VALUE"}
+
+
+def vllm_only_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM-only flags given on the command line, as ``LLM()`` keyword arguments;
+    ``ValueError`` naming the flag for a value that is not neutral here."""
+    given = {
+        name: getattr(args, _VLLM_ONLY_DEST + name)
+        for name in VLLM_ONLY_ARGS
+        if hasattr(args, _VLLM_ONLY_DEST + name)
+    }
+    for name, value in given.items():
+        if (reason := refusal(name, value, args.model)) is not None:
+            flag = vllm_flags(name, VLLM_ONLY_ARGS[name])[0]
+            raise ValueError(f"{flag} {value} is not supported: {reason}")
+    return given
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The LLM/LLMEngine keyword options named by ``add_engine_args``."""
+    """The LLM/LLMEngine keyword options named by ``add_engine_args`` (and
+    ``add_vllm_only_args``, checked: ``ValueError`` for a value ``LLM()`` refuses)."""
     options: dict[str, Any] = dict(
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -135,4 +263,4 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.kv_cache_memory_bytes is not None:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
-    return options
+    return options | vllm_only_options(args)

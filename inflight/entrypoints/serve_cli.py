@@ -10,13 +10,23 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from inflight.entrypoints.openai.api_server import ServedEngine
+    from inflight.entrypoints.openai.serving import ServerConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+# A --chat-template value with one of these is a template, not a path (vLLM's rule).
+JINJA_CHARS = "{}\n"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from inflight.entrypoints.chat_utils import CONTENT_FORMATS
-    from inflight.entrypoints.engine_args import add_engine_args
+    from inflight.entrypoints.engine_args import add_engine_args, add_vllm_only_args
 
     parser = subparsers.add_parser(
         "serve",
@@ -30,21 +40,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every /v1 route "
-        "(default: $INFLIGHT_API_KEY, else no key)",
+        help="require 'Authorization: Bearer KEY' on every /v1 route, KEY any of these "
+        "keys (default: $INFLIGHT_API_KEY, one key, else no key)",
     )
     group.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
-        help="name(s) clients use in 'model' (default: the model path's "
-        f"basename, or {DEFAULT_SERVED_MODEL_NAME})",
+        help="name(s) clients use in 'model' (default: the model argument exactly as "
+        f"given, as in vLLM: /models/foo is served as /models/foo; {DEFAULT_SERVED_MODEL_NAME} "
+        "without one)",
     )
     group.add_argument(
         "--chat-template",
         default=None,
-        help="a Jinja chat template, or a file holding one, overriding the tokenizer's",
+        help="a file holding a Jinja chat template, or the template itself (a value with "
+        "'{', '}' or a newline that names no file, used as written, as in vLLM), "
+        "overriding the tokenizer's",
+    )
+    group.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role chat answers carry (message.role, the first stream chunk's "
+        "delta.role) when the request adds a generation prompt, as in vLLM",
     )
     group.add_argument(
         "--chat-template-content-format",
@@ -60,6 +80,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["hermes"],
         help="how answers to tool_choice 'auto' are parsed: hermes reads "
         "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="accepted, with no change in behaviour, for vLLM's tool-calling commands: "
+        "tool_choice 'auto' always works here, parsed by --tool-call-parser",
     )
     group.add_argument(
         "--shutdown-timeout",
@@ -99,30 +124,62 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    group.add_argument(
+        "--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+        help="uvicorn's own log level (default: --log-level)",
+    )
+    group.add_argument(
+        "--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+        help="log one line per request at INFO: its id, prompt tokens and sampling "
+        "parameters (off by default, as in vLLM)",
+    )
+    group.add_argument(
+        "--disable-log-requests", action=argparse.BooleanOptionalAction, default=None,
+        help="deprecated in vLLM; accepted with no effect (requests are logged only with "
+        "--enable-log-requests)",
+    )
     group.add_argument("--disable-uvicorn-access-log", action="store_true")
+    group.add_argument(
+        "--root-path", default=None,
+        help="the path prefix a proxy serves this server under (FastAPI's root_path, as "
+        "in vLLM): routes answer with and without it, and /openapi.json names it",
+    )
     group.add_argument(
         "--no-warmup", action="store_true",
         help="skip the start-up dummy request that pays the first forward passes' one-off "
         "costs before the server reports ready",
     )
+    add_vllm_only_args(parser)
     parser.set_defaults(handler=run)
 
 
 def default_served_model_name(model: str | None) -> str:
-    if model is None:
-        return DEFAULT_SERVED_MODEL_NAME
-    return Path(model.rstrip("/\\")).name or model
+    """vLLM's default: the model argument exactly as given (a path stays a path)."""
+    return DEFAULT_SERVED_MODEL_NAME if model is None else model
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """A template given inline, or the contents of the file it names."""
+    """``--chat-template`` as vLLM reads it: the contents of the file it names; else, if
+    it holds a Jinja character ('{', '}' or a newline), the template itself, as written
+    (vLLM decodes no escapes either: a backslash-n outside a Jinja string stays two
+    characters; inside one, Jinja reads it as a newline); else a path that cannot be read."""
     if value is None:
         return None
-    if "{" not in value and Path(value).is_file():
+    try:
         return Path(value).read_text()
-    if "{" not in value:
-        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
-    return value
+    except (OSError, ValueError) as error:
+        if not any(char in value for char in JINJA_CHARS):
+            raise ValueError(
+                f"--chat-template {value!r} looks like a file path, but it cannot be read: "
+                f"{error}"
+            ) from error
+        return value
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys a client may present: ``--api-key``'s, else ``$INFLIGHT_API_KEY``."""
+    keys = args.api_key or [os.environ.get("INFLIGHT_API_KEY", "")]
+    return tuple(key for key in keys if key)
 
 
 def data_parallel(args: argparse.Namespace) -> bool:
@@ -137,12 +194,11 @@ def data_parallel(args: argparse.Namespace) -> bool:
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from inflight.engine.async_engine import AsyncLLMEngine
     from inflight.entrypoints.engine_args import engine_options
-    from inflight.entrypoints.openai.api_server import ServedEngine, run_server
-    from inflight.entrypoints.openai.serving import ServerConfig
+    from inflight.entrypoints.openai.api_server import run_server
 
     use_ray = data_parallel(args)
+    options = engine_options(args)  # refuses a vLLM flag's value before anything loads
     if use_ray and importlib.util.find_spec("ray") is None:
         from inflight.distributed.client import RAY_MISSING
 
@@ -152,39 +208,57 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
-    config = ServerConfig(
+    if args.disable_log_requests is not None:
+        logger.warning("--disable-log-requests is deprecated (as in vLLM) and has no effect: "
+                       "requests are logged only with --enable-log-requests")
+    config = server_config(args)
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise SystemExit(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    return run_server(
+        start_engine(args, options, use_ray),
+        config,
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.uvicorn_log_level or args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's own options from the command line."""
+    from inflight.entrypoints.openai.serving import ServerConfig
+
+    return ServerConfig(
         served_model_names=tuple(args.served_model_name or [default_served_model_name(args.model)]),
-        api_key=args.api_key or os.environ.get("INFLIGHT_API_KEY") or None,
+        api_keys=api_keys(args),
         chat_template=load_chat_template(args.chat_template),
         chat_template_content_format=args.chat_template_content_format,
         tool_call_parser=args.tool_call_parser,
         trust_request_chat_template=args.trust_request_chat_template,
+        response_role=args.response_role,
+        enable_log_requests=args.enable_log_requests,
+        root_path=args.root_path or "",
     )
-    if args.request_timeout is not None and not args.request_timeout > 0:
-        raise SystemExit(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
-    engine: ServedEngine
+
+
+def start_engine(args: argparse.Namespace, options: dict[str, Any], use_ray: bool) -> ServedEngine:
+    """The engine (or Ray replicas) serving ``args.model``, warmed up unless told not to."""
     if use_ray:
         from inflight.distributed.client import DataParallelConfig, DataParallelEngineClient
 
         dp_config = DataParallelConfig(
             data_parallel_size=args.data_parallel_size, address=args.data_parallel_address
         )
-        options = {**engine_options(args), "request_timeout": args.request_timeout,
-                   "warmup": not args.no_warmup}
-        engine = DataParallelEngineClient(args.model, options, dp_config)
-    else:
-        engine = AsyncLLMEngine.from_options(
-            args.model, request_timeout=args.request_timeout, **engine_options(args)
-        )
-        if not args.no_warmup:
-            # Before /health says ready, so the first clients do not pay for it (seconds on CPU).
-            logging.getLogger(__name__).info("warm-up run took %.1f s", engine.warm_up())
-    return run_server(
-        engine,
-        config,
-        host=args.host,
-        port=args.port,
-        shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
-        access_log=not args.disable_uvicorn_access_log,
+        replica_options = {**options, "request_timeout": args.request_timeout,
+                           "warmup": not args.no_warmup}
+        return DataParallelEngineClient(args.model, replica_options, dp_config)
+    from inflight.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_options(
+        args.model, request_timeout=args.request_timeout, **options
     )
+    if not args.no_warmup:
+        # Before /health says ready, so the first clients do not pay for it (seconds on CPU).
+        logger.info("warm-up run took %.1f s", engine.warm_up())
+    return engine

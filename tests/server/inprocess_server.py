@@ -35,7 +35,7 @@ class InProcessServer:
         self.async_engine = AsyncLLMEngine.from_options(str(model_dir), **engine_options)
         app = build_app(
             self.async_engine,
-            ServerConfig(served_model_names=("tiny",), api_key=api_key,
+            ServerConfig(served_model_names=("tiny",), api_keys=(api_key,) if api_key else (),
                          trust_request_chat_template=trust_request_chat_template,
                          chat_template_content_format=chat_template_content_format,
                          chat_template=chat_template),

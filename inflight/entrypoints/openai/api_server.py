@@ -106,7 +106,8 @@ def build_app(engine: ServedEngine, config: ServerConfig) -> FastAPI:
     from inflight import __version__
 
     app = FastAPI(
-        title="inflight", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+        title="inflight", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+        root_path=config.root_path,
     )
     app.state.server = state
     install_error_handlers(app)
@@ -146,7 +147,7 @@ _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 def _v1_router(state: ServerState) -> APIRouter:
     router = APIRouter(
         prefix="/v1",
-        dependencies=[Depends(_api_key_check(state.config.api_key))],
+        dependencies=[Depends(_api_key_check(state.config.api_keys))],
         responses=_ERRORS,
     )
 
@@ -212,7 +213,7 @@ def _service_router(state: ServerState, engine: ServedEngine, version: str) -> A
         return JSONResponse({"version": version})
 
     @router.post(
-        "/reset_prefix_cache", dependencies=[Depends(_api_key_check(state.config.api_key))]
+        "/reset_prefix_cache", dependencies=[Depends(_api_key_check(state.config.api_keys))]
     )
     async def reset_prefix_cache() -> Response:
         # vLLM's route; refused (409) while requests hold blocks, as LLM.reset_prefix_cache.
@@ -300,11 +301,12 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
     )
 
 
-def _api_key_check(api_key: str | None) -> Any:
-    """A dependency requiring ``Authorization: Bearer <api_key>`` when a key is set."""
+def _api_key_check(api_keys: tuple[str, ...]) -> Any:
+    """A dependency requiring ``Authorization: Bearer <key>``, the key any of ``api_keys``,
+    when there are any (vLLM's ``--api-key k1 k2``)."""
 
     async def check(raw: Request) -> None:
-        if api_key is None:
+        if not api_keys:
             return
         header = raw.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
@@ -315,15 +317,21 @@ def _api_key_check(api_key: str | None) -> Any:
                 INVALID_REQUEST,
                 code="invalid_api_key",
             )
-        # Constant-time comparison, so timing does not leak how much of a guess was right.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
+        if scheme.lower() != "bearer" or not _is_one_of(token.strip(), api_keys):
             raise OpenAIError(
                 401, "Incorrect API key provided.", INVALID_REQUEST, code="invalid_api_key"
             )
 
     return check
+
+
+def _is_one_of(token: str, keys: tuple[str, ...]) -> bool:
+    """Whether ``token`` is one of ``keys``. Each comparison takes constant time, and every
+    key is compared, so timing leaks neither how much of a guess was right nor which key
+    it came close to."""
+    given = token.encode()
+    matches = [hmac.compare_digest(given, key.encode()) for key in keys]
+    return any(matches)
 
 
 # ---------------------------------------------------------------------- running it

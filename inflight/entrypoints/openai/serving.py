@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,8 @@ from inflight.entrypoints.openai.errors import (
 from inflight.outputs import PromptLogprobs, SampleLogprobs
 from inflight.sampling_params import CONSTRAINT_FAILED, NO_TOKEN_LEFT, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -84,7 +87,7 @@ class ServerConfig:
     """The server's own options (the engine's live in the engine)."""
 
     served_model_names: tuple[str, ...]
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens the /v1 routes; none: no key needed
     chat_template: str | None = None  # overrides the tokenizer's template when set
     chat_template_content_format: str = "auto"  # chat_utils.CONTENT_FORMATS
     # vLLM's --trust-request-chat-template: a template sent in a request runs arbitrary
@@ -92,6 +95,9 @@ class ServerConfig:
     # good), so requests may carry one only when the operator says so.
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # the one parser (tool_calls.TOOL_CALL_PARSERS)
+    response_role: str = "assistant"  # a chat answer's role when a generation prompt is added
+    enable_log_requests: bool = False  # one INFO line per request (ServerState.log_request)
+    root_path: str = ""  # the prefix a proxy serves the app under (FastAPI's root_path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +122,19 @@ class ServerState:
                 code="model_not_found",
             )
         return name
+
+    def log_request(
+        self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
+        params: SamplingParams,
+    ) -> None:
+        """vLLM's ``--enable-log-requests``: one INFO line per request (not its text)."""
+        if self.config.enable_log_requests:
+            prompt_tokens = [len(token_ids) for _, token_ids in prompts]
+            logger.info(
+                "Received request %s: prompt tokens: %s, params: %s",
+                request_id, prompt_tokens[0] if len(prompt_tokens) == 1 else prompt_tokens,
+                params,
+            )
 
 
 async def parse_body(raw: Request, model: type[M]) -> M:

@@ -2,8 +2,9 @@
 
 The prompt is built by the same renderer as ``LLM.chat`` (``entrypoints/chat_utils.py``),
 so greedy answers match the offline API's. As in vLLM, the answer's role is
-``assistant`` when a generation prompt is added, else the final message's role, and
-``echo`` puts the final message's content before the answer when the roles match.
+``--response-role`` (``assistant``) when a generation prompt is added, else the final
+message's role, and ``echo`` puts the final message's content before the answer when the
+roles match.
 ``n`` answers are choices 0..n-1 (streamed chunks interleave by ``index``); ``logprobs``
 with ``top_logprobs`` gives OpenAI's ``logprobs.content`` per choice. ``response_format`` /
 ``structured_outputs`` constrain the answer with a grammar (``structured.py``); ``tools``
@@ -112,6 +113,7 @@ async def _serve(
         request, max_tokens, constraint, state.engine.default_sampling_params
     )
     request_id = f"chatcmpl-{request.request_id}"
+    state.log_request(request_id, [(None, token_ids)], params)
     stream: RequestStream
     if request.use_beam_search:
         (stream,) = beam_search_streams(  # type: ignore[assignment]  # they read alike
@@ -131,7 +133,8 @@ async def _serve(
             request_timeout=request.request_timeout,
         )
     tokenizer = state.engine.tokenizer
-    reply = _reply(request, request_id, model, rendered, token_ids, params.n, tools, tool_choice)
+    reply = _reply(request, request_id, model, rendered, token_ids, params.n, tools, tool_choice,
+                   state.config.response_role)
     reply.decode = lambda token_id: str(tokenizer.decode([token_id]))
     reply.raw_bytes = token_bytes_of(tokenizer)
     if request.stream:
@@ -242,9 +245,11 @@ def _reply(
     n: int,
     tools: Sequence[FunctionTool],
     tool_choice: ToolChoice,
+    response_role: str,
 ) -> _Reply:
     last = rendered.conversation[-1]
-    role = "assistant" if request.add_generation_prompt else str(last["role"])
+    # vLLM's --response-role names the answer when a generation prompt is added
+    role = response_role if request.add_generation_prompt else str(last["role"])
     echo = str(last.get("content") or "") if request.echo and last["role"] == role else ""
     return _Reply(
         request_id=request_id,

@@ -83,6 +83,7 @@ async def _serve(state: ServerState, request: CompletionRequest, arrival_time: f
         request, request.max_tokens, constraint, state.engine.default_sampling_params
     )
     request_id = f"cmpl-{request.request_id}"
+    state.log_request(request_id, prompts, params)
     streams: list[RequestStream]
     if request.use_beam_search:
         streams = beam_search_streams(  # type: ignore[assignment]  # they read alike
