@@ -106,9 +106,11 @@ def build_app(engine: ServedEngine, config: ServerConfig) -> FastAPI:
     from inflight import __version__
 
     app = FastAPI(
-        title="inflight", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-        root_path=config.root_path,
+        title="inflight", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
+    # vLLM's --root-path, set as vLLM sets it: requests are served with the prefix (a proxy
+    # that keeps it) or without (one that strips it), and /openapi.json names it.
+    app.root_path = config.root_path
     app.state.server = state
     install_error_handlers(app)
     app.include_router(_v1_router(state))
