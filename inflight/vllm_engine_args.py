@@ -72,6 +72,8 @@ _IS_INT = Accepts(lambda value: isinstance(value, int), "any integer")
 _FRACTION = Accepts(lambda value: _is_number(value) and 0 < value <= 1, "a fraction in (0, 1]")
 _NON_NEGATIVE = Accepts(lambda value: _is_number(value) and value >= 0, "any number >= 0")
 _NO_OVERRIDES = Accepts(lambda value: value is None or value == {}, "None or {}")
+# the model's own path is accepted too: see refusal()
+_OWN_TOKENIZER = Accepts(lambda value: value is None, "None or the model's own path")
 _ANY_NAMES = Accepts(
     lambda value: value is None or isinstance(value, (str, list, tuple)), "any name(s)")
 _NO_MEDIA = Accepts(
@@ -121,7 +123,7 @@ VLLM_ONLY_ARGS: dict[str, Neutral] = {
         _NON_NEGATIVE, "preempted requests are recomputed, never swapped", float),
     "cpu_offload_gb": Neutral(_equals(0), "weights are never offloaded", float),
     "tokenizer": Neutral(
-        _equals(None), "the tokenizer always comes with the model (its directory or GGUF "
+        _OWN_TOKENIZER, "the tokenizer always comes with the model (its directory or GGUF "
         "file)", optional_str),
     "tokenizer_mode": Neutral(
         _equals("auto"), "the model's fast tokenizer is always used", str),

@@ -130,6 +130,12 @@ def test_neutral_vllm_flags_are_accepted(argv: list[str], name: str, value: Any)
     assert options[name] == value and type(options[name]) is type(value)
 
 
+def test_tokenizer_may_name_the_model_itself(tiny_llama_dir: Path) -> None:
+    """As ``LLM(model=p, tokenizer=p)``: vLLM commands often pass the model again."""
+    args = serve_args(str(tiny_llama_dir), "--tokenizer", str(tiny_llama_dir))
+    assert engine_options(args)["tokenizer"] == str(tiny_llama_dir)
+
+
 def test_vllm_flags_not_given_are_not_passed() -> None:
     assert not set(engine_options(serve_args("m"))) & set(VLLM_ONLY_ARGS)
 
