@@ -270,6 +270,8 @@ def test_log_requests(server: ServerProcess, tiny_llama_dir: Path) -> None:
     lines = [line for line in server.log().splitlines() if "Received request cmpl-" in line]
     assert len(lines) == 1, server.log()
     assert "INFO" in lines[0] and "prompt tokens: 3" in lines[0] and "max_tokens=2" in lines[0]
+    client(server).responses.create(model=str(tiny_llama_dir), input="w3", max_output_tokens=2)
+    assert "Received request resp_" in server.log()
     log = server.log()
     assert "--disable-log-requests is deprecated" in log
     assert "tensor_parallel_size=1 accepted with no effect" in log

@@ -124,6 +124,7 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
     check_length(
         len(token_ids), request.max_output_tokens, max_model_len, "input", "max_output_tokens"
     )
+    state.log_request(request.request_id, [(None, token_ids)], params)
     (stream,) = await add_requests(
         state.engine,
         request.request_id,
