@@ -238,9 +238,17 @@ def vllm_only_options(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name, value in given.items():
         if (reason := refusal(name, value, args.model)) is not None:
-            flag = vllm_flags(name, VLLM_ONLY_ARGS[name])[0]
-            raise ValueError(f"{flag} {value} is not supported: {reason}")
+            raise ValueError(f"{_as_typed(name, value)} is not supported: {reason}")
     return given
+
+
+def _as_typed(name: str, value: Any) -> str:
+    """The flag as the command line gave it: ``-tp 2`` is ``--tensor-parallel-size 2``."""
+    rule = VLLM_ONLY_ARGS[name]
+    flag = vllm_flags(name, rule)[0]
+    if rule.is_switch:
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value}"
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

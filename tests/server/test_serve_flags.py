@@ -123,7 +123,10 @@ def test_every_vllm_only_argument_is_a_flag(capsys: pytest.CaptureFixture[str]) 
      (["--hf-overrides", "{}"], "hf_overrides", {}),
      (["-O0"], "compilation_config", 0),
      (["--distributed-executor-backend", "mp"], "distributed_executor_backend", "mp"),
-     (["--no-enable-lora"], "enable_lora", False)],
+     (["--no-enable-lora"], "enable_lora", False),
+     (["--no-skip-tokenizer-init"], "skip_tokenizer_init", False),
+     (["--speculative-config", "None"], "speculative_config", None),
+     (["--async-scheduling"], "async_scheduling", True)],
 )
 def test_neutral_vllm_flags_are_accepted(argv: list[str], name: str, value: Any) -> None:
     options = engine_options(serve_args("m", *argv))
@@ -145,7 +148,8 @@ def test_vllm_flags_not_given_are_not_passed() -> None:
     [(["-tp", "2"], "--tensor-parallel-size 2 is not supported: tensor parallelism"),
      (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4 is not supported"),
      (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5 is not supported"),
-     (["--enable-lora"], "--enable-lora True is not supported: LoRA"),
+     (["--enable-lora"], "--enable-lora is not supported: LoRA"),
+     (["--skip-tokenizer-init"], "--skip-tokenizer-init is not supported"),
      (["--tokenizer", "other/tok"], "--tokenizer other/tok is not supported"),
      (["-O3"], "--compilation-config 3 is not supported")],
 )
