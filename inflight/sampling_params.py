@@ -354,11 +354,13 @@ class StructuredOutputsParams:
 
     ``disable_any_whitespace`` forbids whitespace between JSON tokens (by default any
     JSON whitespace is allowed, as in vLLM); ``whitespace_pattern`` is a regex for the
-    whitespace allowed there instead; ``disable_additional_properties`` closes every
-    object of a ``json`` schema that does not say otherwise (``additionalProperties:
-    false``), as vLLM's guidance backend. ``structural_tag`` is refused by name. The shapes are checked here; whether a schema,
-    regex or grammar compiles is checked when the request is added to the engine. Both
-    raise :class:`InvalidRequestError` with ``parameter="structured_outputs"``.
+    whitespace allowed there instead. An object schema that lists ``properties`` allows no
+    others unless it says so (``additionalProperties``), as vLLM's default xgrammar
+    backend in its strict mode and OpenAI's ``strict``; ``disable_additional_properties``
+    closes a bare ``{"type": "object"}`` too. ``structural_tag`` is refused by name. The
+    shapes are checked here; whether a schema, regex or grammar compiles is checked when
+    the request is added to the engine. Both raise :class:`InvalidRequestError` with
+    ``parameter="structured_outputs"``.
     """
 
     json: str | dict[str, Any] | None = None

@@ -22,8 +22,8 @@ def serialize_grammar(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = params.json if kind == "json" else _ANY_OBJECT
-        if params.disable_additional_properties:
-            schema = closed_objects(schema)
+        if kind == "json":
+            schema = closed_objects(schema, every_object=params.disable_additional_properties)
         defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
         if params.whitespace_pattern is not None:
             defaults["whitespace_pattern"] = params.whitespace_pattern
@@ -50,22 +50,27 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def closed_objects(schema: Any) -> Any:
-    """A copy of a JSON schema where every object schema without ``additionalProperties``
-    gets ``additionalProperties: false`` (vLLM's ``disable_additional_properties``)."""
+def closed_objects(schema: Any, every_object: bool = False) -> Any:
+    """A copy of a JSON schema where object schemas without ``additionalProperties`` get
+    ``additionalProperties: false``: those that list ``properties`` (what vLLM's default
+    xgrammar backend does, in its strict mode, and what OpenAI's ``strict`` means), or,
+    with ``every_object``, also a bare ``{"type": "object"}`` (which then only allows
+    ``{}``; vLLM's ``disable_additional_properties``)."""
     if not isinstance(schema, dict):
         return schema
     closed = dict(schema)
     for key in _SUBSCHEMA:
         if key in closed:
-            closed[key] = closed_objects(closed[key])
+            closed[key] = closed_objects(closed[key], every_object)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(closed.get(key), list):
-            closed[key] = [closed_objects(item) for item in closed[key]]
+            closed[key] = [closed_objects(item, every_object) for item in closed[key]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(closed.get(key), dict):
-            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
-    if (schema.get("type") == "object" or "properties" in schema) and (
+            closed[key] = {name: closed_objects(sub, every_object)
+                           for name, sub in closed[key].items()}
+    lists_properties = "properties" in schema
+    if (lists_properties or (every_object and schema.get("type") == "object")) and (
         "additionalProperties" not in schema
     ):
         closed["additionalProperties"] = False

@@ -17,7 +17,7 @@ from helpers.tiny_model import with_generation_config
 def test_the_server_uses_the_model_s_defaults(tiny_llama_dir: Path, tmp_path: Path) -> None:
     configured_dir = with_generation_config(
         tiny_llama_dir, tmp_path / "tiny", max_new_tokens=4, temperature=0.0,
-        repetition_penalty=1.3,
+        repetition_penalty=1.3, top_k=5,
     )
     server = InProcessServer(configured_dir).start()
     try:
@@ -33,6 +33,10 @@ def test_the_server_uses_the_model_s_defaults(tiny_llama_dir: Path, tmp_path: Pa
         assert silent["usage"]["completion_tokens"] == 4
         # max_new_tokens caps even a request's own max_tokens (vLLM's get_max_tokens)
         assert complete(max_tokens=10, temperature=0)["usage"]["completion_tokens"] == 4
+        # Beam search: the config's sampling defaults are not the client's choices (no 400
+        # for top_k), and its max_new_tokens caps the beams too.
+        beams = complete(max_tokens=30, n=2, use_beam_search=True, ignore_eos=True)
+        assert [len(c["text"].split()) for c in beams["choices"]] == [4, 4]
         chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "w3 w4"}],
             "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})

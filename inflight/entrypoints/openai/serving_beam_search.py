@@ -17,7 +17,8 @@ engine request per live beam, and ``close()`` (a client that went away) aborts t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from inflight.beam_search import BeamSearchInstance, BeamSearchParams, check_beam_search
 from inflight.engine.protocol import EngineClient
@@ -59,12 +60,15 @@ def _request_field(request: GenerationRequest, name: str) -> str:
 
 def beam_search_params(
     request: GenerationRequest, params: SamplingParams, max_tokens: int,
+    model_defaults: Mapping[str, Any] | None = None,
 ) -> BeamSearchParams:
     """The search a ``use_beam_search`` request asks for; a 400 for what it cannot do.
 
     ``params`` are the request's sampling parameters as built for sampling (so every value
-    was validated); ``max_tokens`` is the request's, or what the context leaves."""
-    defaults = SamplingParams()
+    was validated), with the model's generation-config ``model_defaults`` where the
+    request is silent: only what differs from those was the client's choice.
+    ``max_tokens`` is the request's (capped by the config), or what the context leaves."""
+    defaults = SamplingParams.from_optional(**(model_defaults or {}))
     for name in SamplingParams.__dataclass_fields__:
         if name in _HONOURED or name.startswith("_"):
             continue
@@ -106,8 +110,10 @@ def beam_search_streams(
     the context."""
     streams = []
     for index, (text, token_ids) in enumerate(prompts):
+        limit = params.max_tokens if params.max_tokens is not None else max_tokens
         search = beam_search_params(
-            request, params, max_tokens or engine.max_model_len - len(token_ids)
+            request, params, limit or engine.max_model_len - len(token_ids),
+            engine.default_sampling_params,
         )
         try:
             check_beam_search(search, len(token_ids), engine.max_model_len, engine.max_logprobs)

@@ -153,17 +153,41 @@ def tool_constraint(tools: Sequence[FunctionTool], choice: ToolChoice) -> Struct
     if choice.mode == "named":
         tool = next(t for t in tools if t.name == choice.name)
         return checked(lambda: StructuredOutputsParams(json=tool.parameters), "tools")
+    definitions: dict[str, Any] = {}
     branches = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "properties": {"name": {"const": t.name},
+                           "arguments": _hoist_definitions(t, definitions)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         for t in tools
     ]
     schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    if definitions:
+        schema = {**schema, "$defs": definitions}
     return checked(lambda: StructuredOutputsParams(json=schema), "tools")
+
+
+def _hoist_definitions(tool: FunctionTool, definitions: dict[str, Any]) -> dict[str, Any]:
+    """The tool's parameters without their ``$defs``, which move to ``definitions`` (the
+    required choice's root, where their ``#/$defs/...`` references point once the
+    parameters sit under ``arguments``; as vLLM). Two tools defining one name differently
+    is a 400."""
+    parameters = dict(tool.parameters)
+    own = parameters.pop("$defs", None) or {}
+    if not isinstance(own, dict):
+        raise bad_request(f"tool {tool.name!r}: '$defs' must be an object.", "tools")
+    for name, schema in own.items():
+        if name in definitions and definitions[name] != schema:
+            raise bad_request(
+                f"tools define '$defs/{name}' differently; tool_choice 'required' needs one "
+                "definition per name.",
+                "tools",
+            )
+        definitions[name] = schema
+    return parameters
 
 
 def answer_constraint(
@@ -281,7 +305,7 @@ def constrained_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
         value = json.loads(text)
     except ValueError:
         return _cut_required_call(text)
-    return [ToolCall(value["name"], json.dumps(value["arguments"]), new_call_id())]
+    return [ToolCall(value["name"], _arguments_json(value["arguments"]), new_call_id())]
 
 
 def _cut_required_call(text: str) -> list[ToolCall]:
@@ -299,6 +323,12 @@ def _cut_required_call(text: str) -> list[ToolCall]:
     return []
 
 
+def _arguments_json(arguments: Any) -> str:
+    """A call's arguments as JSON text, characters as written (vLLM's parsers and OpenAI
+    send UTF-8, not ``\\u`` escapes)."""
+    return json.dumps(arguments, ensure_ascii=False)
+
+
 def parse_hermes(text: str, tools: Sequence[FunctionTool]) -> tuple[str | None, list[ToolCall]]:
     """``(content, calls)`` of an auto answer; text stays content if no block parses."""
     start = text.find(_OPEN)
@@ -314,7 +344,7 @@ def parse_hermes(text: str, tools: Sequence[FunctionTool]) -> tuple[str | None, 
         if not isinstance(value, dict) or value.get("name") not in known:
             continue
         arguments = value.get("arguments", {})
-        calls.append(ToolCall(value["name"], json.dumps(arguments), new_call_id()))
+        calls.append(ToolCall(value["name"], _arguments_json(arguments), new_call_id()))
     if not calls:
         return text, []
     # The text before the first call, as it streams (vLLM's Hermes parser: not stripped).

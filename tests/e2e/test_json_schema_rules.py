@@ -1,0 +1,98 @@
+"""JSON-schema constraints follow vLLM's default backend (xgrammar, strict mode) and
+OpenAI's ``strict``: an object that lists its properties allows no others unless it says
+so; tool schemas with ``$defs`` work under ``tool_choice: "required"``; tool-call
+arguments keep their characters. Each case was found by a user whose client relied on it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from inflight import LLM, SamplingParams, StructuredOutputsParams
+from inflight.entrypoints.openai.errors import OpenAIError
+from inflight.entrypoints.openai.tool_calls import (
+    ToolChoice,
+    constrained_calls,
+    parse_hermes,
+    parse_tools,
+    tool_constraint,
+)
+from inflight.structured_output.grammar import closed_objects, validate_grammar
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string",
+                                                      "enum": ["Paris", "London"]}},
+          "required": ["answer"]}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_num_seqs=4)
+
+
+def test_listed_properties_close_the_object(llm: LLM) -> None:
+    """(The model added "description" and "language" keys to a strict schema's object.)"""
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=ANSWER))
+    text = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    assert json.loads(text) == {"answer": "Paris"}
+
+
+def test_which_objects_are_closed() -> None:
+    assert closed_objects(ANSWER)["additionalProperties"] is False
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # any object
+    assert closed_objects({"type": "object"}, every_object=True)["additionalProperties"] is False
+    open_map = {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}}
+    assert closed_objects(open_map) == open_map  # the schema's own word stands
+    nested = closed_objects({"anyOf": [ANSWER, {"type": "array", "items": ANSWER}]})
+    assert nested["anyOf"][1]["items"]["additionalProperties"] is False
+
+
+def pydantic_tool() -> dict[str, Any]:
+    """What ``openai.pydantic_function_tool`` makes of a model with a nested model."""
+    return {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}},
+        "type": "object", "properties": {"location": {"$ref": "#/$defs/Loc"}},
+        "required": ["location"]}}}
+
+
+def test_required_choice_keeps_the_tools_definitions(llm: LLM) -> None:
+    """(``$defs`` moved under ``arguments`` no longer resolved: every required call with a
+    pydantic tool was a 400.)"""
+    tools = parse_tools([pydantic_tool(), {"type": "function", "function": {"name": "noop"}}])
+    constraint = tool_constraint(tools, ToolChoice("required"))
+    validate_grammar(constraint)  # compiles
+    assert "Loc" in constraint.json["$defs"]  # type: ignore[index]
+    prompt = "Call a function for the weather in Paris. Answer in JSON:"
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=80,
+                                               structured_outputs=constraint),
+                        use_tqdm=False)[0].outputs[0].text
+    call = json.loads(text)
+    if call["name"] == "get_weather":
+        assert set(call["arguments"]) == {"location"}
+        assert set(call["arguments"]["location"]) == {"city"}
+    else:
+        assert call == {"name": "noop", "arguments": {}}  # no parameters: only {}
+
+
+def test_tools_defining_one_name_differently_are_a_400() -> None:
+    other = pydantic_tool()
+    other["function"]["name"] = "other"
+    other["function"]["parameters"]["$defs"]["Loc"] = {"type": "string"}
+    with pytest.raises(OpenAIError, match="differently") as caught:
+        tool_constraint(parse_tools([pydantic_tool(), other]), ToolChoice("required"))
+    assert (caught.value.status, caught.value.param) == (400, "tools")
+
+
+def test_arguments_keep_their_characters() -> None:
+    tools = parse_tools([{"type": "function", "function": {"name": "f"}}])
+    body = '<tool_call>\n{"name": "f", "arguments": {"city": "日本🎉"}}\n</tool_call>'
+    _, calls = parse_hermes(body, tools)
+    assert calls[0].arguments == '{"city": "日本🎉"}'
+    required = constrained_calls('{"name": "f", "arguments": {"city": "日本"}}',
+                                 ToolChoice("required"))
+    assert required[0].arguments == '{"city": "日本"}'
