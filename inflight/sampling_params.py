@@ -144,8 +144,8 @@ class SamplingParams:
         if _is_int(self.seed) and self.seed == -1:
             self.seed = None  # vLLM's "no seed"
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is True:
-                setattr(self, name, 1)  # as vLLM: True asks for the sampled token's
+            if isinstance(getattr(self, name), bool):  # as vLLM: True is 1, False 0
+                setattr(self, name, int(getattr(self, name)))
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 _fail("guided_decoding", "pass structured_outputs or guided_decoding, not both")

@@ -63,8 +63,8 @@ def generation_defaults(
     defaults = {field: merged[key] for key, field in _SAMPLING_KEYS.items()
                 if merged.get(key) is not None}
     if defaults:
-        logger.info("sampling defaults from the model's generation config: %s (pass "
-                    "generation_config='vllm' to ignore them)", defaults)
+        logger.info("sampling defaults from the generation config: %s (generation_config="
+                    "'vllm' ignores the model's)", defaults)
     return defaults
 
 

@@ -480,7 +480,10 @@ def _checked_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
     try:
         SamplingParams.from_optional(**defaults)
     except ValueError as error:
-        raise ValueError(f"the model's generation config gives bad sampling defaults: {error}") from error
+        raise ValueError(
+            "the generation config (the model's generation_config.json, or "
+            f"generation_config / override_generation_config) gives bad sampling defaults: {error}"
+        ) from error
     return defaults
 
 

@@ -31,19 +31,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL over /v1/completions, /v1/chat/completions, /v1/models, "
-        "/health, /metrics (Prometheus), /tokenize, /detokenize and /version.",
+        description="Serve MODEL over /v1/completions, /v1/chat/completions, /v1/responses, "
+        "/v1/models, /health, /metrics (Prometheus), /tokenize, /detokenize and /version.",
     )
     add_engine_args(parser, model_positional=True)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=_port, default=8000, help="0-65535; 0 picks a free one")
     group.add_argument(
         "--api-key",
         nargs="+",
         default=None,
         help="require 'Authorization: Bearer KEY' on every /v1 route, KEY any of these "
-        "keys (default: $INFLIGHT_API_KEY, one key, else no key)",
+        "keys (default: $INFLIGHT_API_KEY, else vLLM's $VLLM_API_KEY, one key; else no "
+        "key)",
     )
     group.add_argument(
         "--served-model-name",
@@ -176,9 +177,19 @@ def load_chat_template(value: str | None) -> str | None:
         return value
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The keys a client may present: ``--api-key``'s, else ``$INFLIGHT_API_KEY``."""
-    keys = args.api_key or [os.environ.get("INFLIGHT_API_KEY", "")]
+    """The keys a client may present: ``--api-key``'s, else ``$INFLIGHT_API_KEY``, else
+    ``$VLLM_API_KEY`` (vLLM's, so a server a vLLM user meant to protect is protected)."""
+    keys = args.api_key or [
+        os.environ.get("INFLIGHT_API_KEY") or os.environ.get("VLLM_API_KEY") or ""
+    ]
     return tuple(key for key in keys if key)
 
 
@@ -238,7 +249,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         enable_log_requests=args.enable_log_requests,
-        root_path=args.root_path or "",
+        root_path=(args.root_path or "").rstrip("/"),  # "/prefix/" serves "/prefix/v1/..."
     )
 
 

@@ -15,6 +15,10 @@ import llguidance
 from inflight.sampling_params import InvalidRequestError, StructuredOutputsParams
 
 _ANY_OBJECT = {"type": "object"}
+# JSON whitespace between tokens, at most this much in a row: enough for pretty-printed
+# JSON nested 15 deep, and an end to the runaway where a model that wants what the schema
+# forbids (another key, say) writes whitespace until max_tokens instead.
+BOUNDED_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 
 
 def serialize_grammar(params: StructuredOutputsParams) -> str:
@@ -27,6 +31,8 @@ def serialize_grammar(params: StructuredOutputsParams) -> str:
         defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
         if params.whitespace_pattern is not None:
             defaults["whitespace_pattern"] = params.whitespace_pattern
+        elif not params.disable_any_whitespace:
+            defaults["whitespace_pattern"] = BOUNDED_WHITESPACE
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema,  # type: ignore[arg-type]
             defaults=defaults,  # type: ignore[arg-type]

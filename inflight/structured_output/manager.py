@@ -212,14 +212,11 @@ class StructuredOutputManager:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         # Only the (single) compile thread builds it, so no lock is needed.
         if self._ll_tokenizer is None:
-            import llguidance.hf
-
             from inflight.model.gguf_tokenizer import hf_tokenizer
+            from inflight.structured_output.ll_tokenizer import build_ll_tokenizer
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                hf_tokenizer(self.tokenizer),
-                n_vocab=self.vocab_size,
-                eos_token=self.eos_token_ids or None,
+            self._ll_tokenizer = build_ll_tokenizer(
+                hf_tokenizer(self.tokenizer), self.vocab_size, self.eos_token_ids
             )
         return self._ll_tokenizer
 

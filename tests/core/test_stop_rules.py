@@ -153,6 +153,12 @@ def test_seed_minus_one_means_no_seed_as_in_vllm() -> None:
     assert SamplingParams(seed=-1).seed is None
 
 
+def test_boolean_logprobs_are_counts_as_in_vllm() -> None:
+    params = SamplingParams(logprobs=True, prompt_logprobs=False)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 0)
+    assert type(params.logprobs) is int and type(params.prompt_logprobs) is int
+
+
 def test_a_bool_priority_is_rejected() -> None:
     scheduler = make_scheduler()
     request = Request("a", list(PROMPT), SamplingParams(), priority=True)  # type: ignore[arg-type]

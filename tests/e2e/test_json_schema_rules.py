@@ -7,12 +7,12 @@ arguments keep their characters. Each case was found by a user whose client reli
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 
 from inflight import LLM, SamplingParams, StructuredOutputsParams
-from inflight.entrypoints.openai.errors import OpenAIError
 from inflight.entrypoints.openai.tool_calls import (
     ToolChoice,
     constrained_calls,
@@ -60,13 +60,12 @@ def pydantic_tool() -> dict[str, Any]:
         "required": ["location"]}}}
 
 
-def test_required_choice_keeps_the_tools_definitions(llm: LLM) -> None:
+def test_required_choice_keeps_the_tools_references(llm: LLM) -> None:
     """(``$defs`` moved under ``arguments`` no longer resolved: every required call with a
-    pydantic tool was a 400.)"""
+    pydantic tool was a 400.) Each tool keeps its own references."""
     tools = parse_tools([pydantic_tool(), {"type": "function", "function": {"name": "noop"}}])
     constraint = tool_constraint(tools, ToolChoice("required"))
     validate_grammar(constraint)  # compiles
-    assert "Loc" in constraint.json["$defs"]  # type: ignore[index]
     prompt = "Call a function for the weather in Paris. Answer in JSON:"
     text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=80,
                                                structured_outputs=constraint),
@@ -79,13 +78,29 @@ def test_required_choice_keeps_the_tools_definitions(llm: LLM) -> None:
         assert call == {"name": "noop", "arguments": {}}  # no parameters: only {}
 
 
-def test_tools_defining_one_name_differently_are_a_400() -> None:
+def test_recursion_and_draft_07_definitions_under_required(llm: LLM) -> None:
+    """("#" pointed at the wrapper object, so a linked list's "next" held a whole call;
+    draft-07 "definitions" were a 400.) Two tools may also define one name differently."""
+    linked = {"type": "function", "function": {"name": "ll", "parameters": {
+        "type": "object", "properties": {"v": {"type": "integer"},
+                                         "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["v", "next"]}}}
+    draft7 = {"type": "function", "function": {"name": "where", "parameters": {
+        "definitions": {"Loc": {"type": "string", "enum": ["here", "there"]}},
+        "type": "object", "properties": {"loc": {"$ref": "#/definitions/Loc"}},
+        "required": ["loc"]}}}
     other = pydantic_tool()
     other["function"]["name"] = "other"
     other["function"]["parameters"]["$defs"]["Loc"] = {"type": "string"}
-    with pytest.raises(OpenAIError, match="differently") as caught:
-        tool_constraint(parse_tools([pydantic_tool(), other]), ToolChoice("required"))
-    assert (caught.value.status, caught.value.param) == (400, "tools")
+    for chosen in ([linked], [draft7], [pydantic_tool(), other]):
+        validate_grammar(tool_constraint(parse_tools(chosen), ToolChoice("required")))
+    constraint = tool_constraint(parse_tools([linked]), ToolChoice("required"))
+    out = llm.generate("A linked list of 1, 2, 3 as JSON:", SamplingParams(
+        temperature=0, max_tokens=120, structured_outputs=constraint), use_tqdm=False)[0]
+    text = out.outputs[0].text  # the model may nest until max_tokens: read its keys
+    keys = re.findall(r'"(\w+)"\s*:', text)
+    assert keys[:3] == ["name", "arguments", "v"], text
+    assert set(keys[3:]) <= {"v", "next"}, text  # every link a node, never a whole call
 
 
 def test_arguments_keep_their_characters() -> None:
@@ -96,3 +111,26 @@ def test_arguments_keep_their_characters() -> None:
     required = constrained_calls('{"name": "f", "arguments": {"city": "日本"}}',
                                  ToolChoice("required"))
     assert required[0].arguments == '{"city": "日本"}'
+
+
+@pytest.mark.parametrize(
+    ("constraint", "expected"),
+    [
+        (StructuredOutputsParams(json={"const": "<|im_end|>"}), '"<|im_end|>"'),
+        (StructuredOutputsParams(regex=r"x<\|im_end\|>"), "x<|im_end|>"),
+        (StructuredOutputsParams(regex=r"Hi <\|im_start\|>there"), "Hi <|im_start|>there"),
+    ],
+)
+def test_a_special_token_s_text_is_spelled_in_ordinary_tokens(
+    llm: LLM, constraint: StructuredOutputsParams, expected: str
+) -> None:
+    """(The grammar engine forced the special token for its literal text, then refused
+    it: the request failed at its first step with a 400.) As xgrammar, vLLM's default,
+    the text comes out spelled in ordinary tokens; the special tokens never appear."""
+    out = llm.generate("Say:", SamplingParams(temperature=0, max_tokens=20,
+                                              structured_outputs=constraint),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.error is None and out.finish_reason == "stop"
+    assert out.text == expected
+    special = set(llm.llm_engine.eos_token_ids) | {0, 1, 2}
+    assert not special & set(out.token_ids)

@@ -178,7 +178,7 @@ def test_structured_outputs_extras(smollm2: LLM) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"},
                                                "properties": {"type": "object"}},
               "required": ["a"], "$defs": {"x": {"properties": {}}}}
-    closed = closed_objects(schema)
+    closed = closed_objects(schema, every_object=True)  # disable_additional_properties
     assert closed["additionalProperties"] is False
     assert closed["properties"]["properties"]["additionalProperties"] is False
     assert "additionalProperties" not in closed["properties"]  # a name map, not a schema

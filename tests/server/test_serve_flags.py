@@ -179,11 +179,23 @@ def test_uvicorn_log_level_is_uvicorns_own(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_api_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("INFLIGHT_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert serve_cli.api_keys(serve_args("m", "--api-key", "k1", "k2")) == ("k1", "k2")
     assert serve_cli.api_keys(serve_args("m")) == ()
     monkeypatch.setenv("INFLIGHT_API_KEY", "from-env")
     assert serve_cli.api_keys(serve_args("m")) == ("from-env",)
     assert serve_cli.api_keys(serve_args("m", "--api-key", "k1")) == ("k1",)
+    monkeypatch.delenv("INFLIGHT_API_KEY")
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-env")  # a vLLM user's protected server
+    assert serve_cli.api_keys(serve_args("m")) == ("vllm-env",)
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "99999"])
+def test_port_out_of_range_is_one_line(capsys: pytest.CaptureFixture[str], port: str) -> None:
+    with pytest.raises(SystemExit):
+        serve_args("m", "--port", port)
+    err = capsys.readouterr().err
+    assert "a port is 0-65535" in err and "Traceback" not in err
 
 
 def test_default_served_model_name_is_the_model_as_given() -> None:
@@ -217,7 +229,7 @@ def server(tiny_llama_dir: Path, start_server: Callable[..., ServerProcess]) -> 
     """One server started with vLLM's flags; no --served-model-name."""
     return start_server(
         "--model", str(tiny_llama_dir), "--api-key", *KEYS, "--response-role", "bot",
-        "--root-path", ROOT_PATH, "--enable-log-requests", "--disable-log-requests",
+        "--root-path", ROOT_PATH + "/", "--enable-log-requests", "--disable-log-requests",
         "--chat-template", CHAT_TEMPLATE, "--enable-auto-tool-choice",
         "--tool-call-parser", "hermes", "-tp", "1", "--enforce-eager", "--trust-remote-code",
         "--gpu-memory-utilization", "0.9", "--max-model-len", "0.25k", "--max-num-seqs", "4",
@@ -252,7 +264,10 @@ def test_root_path(server: ServerProcess) -> None:
     assert prefixed.status_code == 200  # a proxy that keeps the prefix
     assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
     schema = httpx.get(f"{server.url}/openapi.json").json()
-    assert {"url": ROOT_PATH} in schema["servers"]
+    assert {"url": ROOT_PATH} in schema["servers"]  # "--root-path /prefix/" is "/prefix"
+    operation_ids = [op["operationId"] for path in schema["paths"].values()
+                     for op in path.values()]
+    assert len(operation_ids) == len(set(operation_ids))  # /ping's GET and POST differ
 
 
 def test_response_role(server: ServerProcess, tiny_llama_dir: Path) -> None:

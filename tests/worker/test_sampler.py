@@ -168,7 +168,7 @@ def test_suppressed_ids_are_never_sampled_and_other_rows_are_untouched():
     assert not {5, 0} & set(drawn)
 
 
-@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), -1, 0])
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), -2, 0])
 def test_any_accepted_seed_makes_a_generator_that_repeats(seed):
     params = SamplingParams(temperature=1.0, seed=seed)
     draws = [Sampler(torch.device("cpu")).sample(LOGITS.repeat(1, 1), ["a"], [params])

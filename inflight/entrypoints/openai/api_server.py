@@ -195,7 +195,8 @@ def _service_router(state: ServerState, engine: ServedEngine, version: str) -> A
 
     # /ping is vLLM's (SageMaker's) name for the same check, by GET or POST.
     @router.get("/health")
-    @router.api_route("/ping", methods=["GET", "POST"])
+    @router.get("/ping", operation_id="ping_get")  # one id per method: code generators
+    @router.post("/ping", operation_id="ping_post")  # choke on a duplicate
     async def health() -> Response:
         if isinstance(engine, AsyncLLMEngine):
             if not engine.is_healthy:

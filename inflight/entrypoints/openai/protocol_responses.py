@@ -53,7 +53,7 @@ class ResponsesRequest(_Request):
     safety_identifier: str | None = None
     store: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     max_tool_calls: Annotated[int, Field(ge=0)] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = None

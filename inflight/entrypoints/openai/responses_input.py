@@ -224,6 +224,10 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise bad_request("Invalid text.format: it must be an object with a 'type'.", "text.format")
     if form is None or form.get("type") != "json_schema":
         return form
+    if not isinstance(form.get("schema"), dict):  # required here, unlike chat's
+        raise bad_request(
+            "Invalid text.format: a json_schema format needs a 'schema' object.", "text.format"
+        )
     spec = {k: form[k] for k in ("name", "description", "schema", "strict") if k in form}
     return {"type": "json_schema", "json_schema": spec}
 

@@ -153,41 +153,38 @@ def tool_constraint(tools: Sequence[FunctionTool], choice: ToolChoice) -> Struct
     if choice.mode == "named":
         tool = next(t for t in tools if t.name == choice.name)
         return checked(lambda: StructuredOutputsParams(json=tool.parameters), "tools")
-    definitions: dict[str, Any] = {}
+    # Each tool's parameters live at $defs/<tool>, with their own "#..." references
+    # pointing there, so recursion ("#"), $defs and draft-07 definitions all still resolve
+    # once the arguments sit under "arguments" (vLLM hoists $defs alone).
+    definitions = {f"tool_{t.name}": _rebased(t.parameters, f"#/$defs/tool_{t.name}")
+                   for t in tools}
     branches = [
         {
             "type": "object",
             "properties": {"name": {"const": t.name},
-                           "arguments": _hoist_definitions(t, definitions)},
+                           "arguments": {"$ref": f"#/$defs/tool_{t.name}"}},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         for t in tools
     ]
     schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
-    if definitions:
-        schema = {**schema, "$defs": definitions}
-    return checked(lambda: StructuredOutputsParams(json=schema), "tools")
+    return checked(
+        lambda: StructuredOutputsParams(json={**schema, "$defs": definitions}), "tools"
+    )
 
 
-def _hoist_definitions(tool: FunctionTool, definitions: dict[str, Any]) -> dict[str, Any]:
-    """The tool's parameters without their ``$defs``, which move to ``definitions`` (the
-    required choice's root, where their ``#/$defs/...`` references point once the
-    parameters sit under ``arguments``; as vLLM). Two tools defining one name differently
-    is a 400."""
-    parameters = dict(tool.parameters)
-    own = parameters.pop("$defs", None) or {}
-    if not isinstance(own, dict):
-        raise bad_request(f"tool {tool.name!r}: '$defs' must be an object.", "tools")
-    for name, schema in own.items():
-        if name in definitions and definitions[name] != schema:
-            raise bad_request(
-                f"tools define '$defs/{name}' differently; tool_choice 'required' needs one "
-                "definition per name.",
-                "tools",
-            )
-        definitions[name] = schema
-    return parameters
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` ("#", "#/...") made relative to ``base``."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rebased(value, base) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def answer_constraint(
