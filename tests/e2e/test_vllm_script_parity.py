@@ -85,7 +85,7 @@ def test_generation_config_vllm_and_overrides(configured_dir: Path, tmp_path: Pa
     assert from_folder.get_default_sampling_params().max_tokens == 16
     with pytest.raises(ValueError, match="no generation_config.json"):
         LLM(str(configured_dir), generation_config=str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="generation config gives bad sampling defaults"):
+    with pytest.raises(ValueError, match=r"override_generation_config\) gives bad sampling defaults"):
         LLM(str(configured_dir), override_generation_config={"temperature": -1})
 
 
