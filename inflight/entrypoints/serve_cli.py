@@ -130,6 +130,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="uvicorn's own log level (default: --log-level)",
     )
     group.add_argument(
+        "--disable-fastapi-docs", action="store_true",
+        help="serve no Swagger UI (/docs) or ReDoc (/redoc) pages (vLLM's flag; "
+        "/openapi.json stays)",
+    )
+    group.add_argument(
         "--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
         help="log one line per request at INFO: its id, prompt tokens and sampling "
         "parameters (off by default, as in vLLM)",
@@ -249,6 +254,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         enable_log_requests=args.enable_log_requests,
+        disable_fastapi_docs=args.disable_fastapi_docs,
         root_path=(args.root_path or "").rstrip("/"),  # "/prefix/" serves "/prefix/v1/..."
     )
 

@@ -30,6 +30,7 @@ class InProcessServer:
         trust_request_chat_template: bool = True,
         chat_template_content_format: str = "auto",
         chat_template: str | None = None,
+        disable_fastapi_docs: bool = False,
         **engine_options: Any,
     ):
         self.async_engine = AsyncLLMEngine.from_options(str(model_dir), **engine_options)
@@ -38,7 +39,8 @@ class InProcessServer:
             ServerConfig(served_model_names=("tiny",), api_keys=(api_key,) if api_key else (),
                          trust_request_chat_template=trust_request_chat_template,
                          chat_template_content_format=chat_template_content_format,
-                         chat_template=chat_template),
+                         chat_template=chat_template,
+                         disable_fastapi_docs=disable_fastapi_docs),
         )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -23,7 +23,8 @@ from starlette.routing import Route
 import inflight.entrypoints.openai.api_server as api_server
 
 # Open without a key, on purpose (none of them changes server state).
-OPEN_ROUTES = {"/health", "/ping", "/metrics", "/version", "/openapi.json", "/tokenize", "/detokenize"}
+OPEN_ROUTES = {"/health", "/ping", "/metrics", "/version", "/openapi.json", "/tokenize", "/detokenize",
+               "/docs", "/docs/oauth2-redirect", "/redoc"}  # FastAPI's pages: open in vLLM too
 WRONG_CREDENTIALS: list[dict[str, str]] = [
     {},
     {"Authorization": ""},

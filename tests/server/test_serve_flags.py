@@ -258,6 +258,23 @@ def test_any_of_the_api_keys(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
 
 
+def test_fastapi_docs_pages(server: ServerProcess, tiny_llama_dir: Path) -> None:
+    """vLLM serves Swagger UI and ReDoc, open like /openapi.json; --disable-fastapi-docs
+    turns them off."""
+    for page in ("/docs", "/redoc"):
+        response = httpx.get(f"{server.url}{page}")
+        assert response.status_code == 200 and "openapi.json" in response.text
+    from inprocess_server import InProcessServer
+
+    plain = InProcessServer(tiny_llama_dir, disable_fastapi_docs=True).start()
+    try:
+        assert httpx.get(f"{plain.url}/docs").status_code == 404
+        assert httpx.get(f"{plain.url}/openapi.json").status_code == 200
+    finally:
+        plain.stop()
+    assert serve_args("m", "--disable-fastapi-docs").disable_fastapi_docs is True
+
+
 def test_root_path(server: ServerProcess) -> None:
     headers = {"Authorization": f"Bearer {KEYS[1]}"}
     prefixed = httpx.get(f"{server.url}{ROOT_PATH}/v1/models", headers=headers)

@@ -105,8 +105,10 @@ def build_app(engine: ServedEngine, config: ServerConfig) -> FastAPI:
 
     from inflight import __version__
 
+    docs = not config.disable_fastapi_docs  # FastAPI's pages, open as in vLLM
     app = FastAPI(
-        title="inflight", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+        title="inflight", version=__version__, lifespan=lifespan,
+        docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
     )
     # vLLM's --root-path, set as vLLM sets it: requests are served with the prefix (a proxy
     # that keeps it) or without (one that strips it), and /openapi.json names it.

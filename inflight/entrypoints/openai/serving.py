@@ -97,6 +97,7 @@ class ServerConfig:
     tool_call_parser: str = "hermes"  # the one parser (tool_calls.TOOL_CALL_PARSERS)
     response_role: str = "assistant"  # a chat answer's role when a generation prompt is added
     enable_log_requests: bool = False  # one INFO line per request (ServerState.log_request)
+    disable_fastapi_docs: bool = False  # vLLM's: no /docs or /redoc pages
     root_path: str = ""  # the prefix a proxy serves the app under (FastAPI's root_path)
 
 
