@@ -114,7 +114,7 @@ def _add_item(messages: list[dict[str, Any]], index: int, item: dict[str, Any]) 
         messages.append({
             "role": "tool",
             "tool_call_id": _string(where, item, "call_id"),
-            "content": output if isinstance(output, str) else _content(where, output),
+            "content": _content(where, output, "output"),
         })
     else:
         raise _bad_input(f"{where}: items of type {kind!r} are not supported: {_why_not(kind)}.")
@@ -128,24 +128,26 @@ def _why_not(kind: Any) -> str:
     return "this server takes messages, function_call and function_call_output items only"
 
 
-def _content(where: str, content: Any) -> str | list[dict[str, str]]:
-    """A message's content: a string, or its parts as chat text parts."""
+def _content(where: str, content: Any, field: str = "content") -> str | list[dict[str, str]]:
+    """A message's ``content`` (or a function call's ``output``): a string, or its parts
+    as chat text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad_input(f"{where}.content must be a string or a list of content parts.")
+        raise _bad_input(f"{where}.{field} must be a string or a list of content parts.")
     parts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         key = {"input_text": "text", "output_text": "text", "refusal": "refusal"}.get(str(kind))
         if key is None:
             raise _bad_input(
-                f"{where}.content[{index}]: parts of type {kind!r} are not supported: this "
-                "model reads text only (input_text, output_text)."
+                f"{where}.{field}[{index}]: parts of type {kind!r} are not supported: the "
+                "Responses API's text parts are 'input_text' (and 'output_text' or "
+                "'refusal' in assistant turns); this model reads no images or files."
             )
         text = part.get(key)
         if not isinstance(text, str):
-            raise _bad_input(f"{where}.content[{index}] needs a string '{key}'.")
+            raise _bad_input(f"{where}.{field}[{index}] needs a string '{key}'.")
         parts.append({"type": "text", "text": text})
     return parts
 
