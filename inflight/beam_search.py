@@ -22,12 +22,60 @@ torch), so the offline driver (``LLM.beam_search``) and the server's async drive
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from inflight.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from inflight.sampling_params import BeamSearchParams, InvalidRequestError
+from inflight.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` new tokens.
+
+    ``temperature`` only adds the sampled token to each step's candidates (scores stay
+    raw logprobs); ``length_penalty`` is the exponent of the length in the final ranking
+    (1.0: average logprob per token; 0.0: total logprob, favouring short beams);
+    ``include_stop_str_in_output`` keeps a final EOS in the server's text and token ids.
+    Raises :class:`InvalidRequestError` (a ``ValueError``) for a value out of range.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail_beam(name, f"{name} must be a positive integer, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                _fail_beam(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                _fail_beam(name, f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or abs(value) > 1e30:
+                _fail_beam(name, f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            _fail_beam("temperature", f"temperature must be >= 0, got {self.temperature}")
+
+    def step_params(self) -> SamplingParams:
+        """The engine request each live beam makes per step: one token, 2 x width logprobs."""
+        return SamplingParams(
+            max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature,
+            ignore_eos=True,  # EOS is a candidate like any other; the search decides
+        )
+
+
+def _fail_beam(name: str, message: str) -> NoReturn:
+    raise InvalidRequestError(f"BeamSearchParams: {message}", parameter=name)
 
 
 def check_beam_search(
