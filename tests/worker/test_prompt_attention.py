@@ -182,7 +182,8 @@ EXACT_LENGTHS = [1, 15, 16, 17, 31, 33, 100, 257]
 def test_bfloat16_prompts_round_the_float64_attention(heads, kv_heads, head_dim, amx):
     """Every prompt length around the 16-query tiles and 16/32-key blocks, group sizes 1,
     3 and 4, D 64 and 128, all in one call: the output is float64 attention rounded to
-    bfloat16, up to the kernel's own error (AVX512-BF16 path: float32 throughout; AMX: each
+    bfloat16, up to the kernel's own error (AVX512-BF16 path: float32 throughout; without
+    AVX512-BF16 the prompts widen to the float32 kernel, rounded once; AMX: each
     probability in two bfloat16 parts, relative error ~2^-16). Measured here: 0.02% (dot)
     and 0.2% (AMX) of outputs one bfloat16 step off the rounded reference, where a mask one
     key off errs on 70-93%, a dropped key block on 36% and probabilities rounded to one

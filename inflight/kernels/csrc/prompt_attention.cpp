@@ -808,6 +808,19 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     own_prompt_attention<float>(q, k, v, fp, cp, num_prompts, scale, false, out);
     return;
   }
+#if !defined(__AVX512BF16__)
+  // No vdpbf16ps (Intel Ice Lake): bfloat16 prompts widen to float32 (exact), take the
+  // float32 kernel, and round once on the way out; rows outside the prompts round-trip
+  // unchanged. SDPA in bfloat16 rounds its intermediate sums too (3% of outputs more than
+  // one bfloat16 step off float64 attention, measured on model 106).
+  if (all(at::kBFloat16) && rows_contiguous && q.size(2) % 16 == 0 && use_float32_kernel()) {
+    auto out32 = out.to(at::kFloat);
+    own_prompt_attention<float>(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), fp, cp,
+                                num_prompts, scale, false, out32);
+    out.copy_(out32);
+    return;
+  }
+#endif
 #endif
   sdpa_per_prompt(q, k, v, fp, cp, num_prompts, scale, out);
 }
