@@ -64,13 +64,13 @@ def test_required_choice_keeps_the_tools_references(llm: LLM) -> None:
     """(``$defs`` moved under ``arguments`` no longer resolved: every required call with a
     pydantic tool was a 400.) Each tool keeps its own references."""
     tools = parse_tools([pydantic_tool(), {"type": "function", "function": {"name": "noop"}}])
-    constraint = tool_constraint(tools, ToolChoice("required"))
+    constraint = tool_constraint(tools, ToolChoice("required"), parallel=False)
     validate_grammar(constraint)  # compiles
     prompt = "Call a function for the weather in Paris. Answer in JSON:"
     text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=80,
                                                structured_outputs=constraint),
                         use_tqdm=False)[0].outputs[0].text
-    call = json.loads(text)
+    (call,) = json.loads(text)
     if call["name"] == "get_weather":
         assert set(call["arguments"]) == {"location"}
         assert set(call["arguments"]["location"]) == {"city"}

@@ -674,18 +674,23 @@ def test_constrained_tool_calls_are_function_call_items(smol: openai.OpenAI, too
                                   tool_choice=tool_choice, input="What is the weather in Paris?")
     response = smol.responses.create(**fields)
     assert response.status == "completed"
-    (call,) = response.output  # no message: the answer is the call
-    assert call.type == "function_call" and call.status == "completed"
-    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    calls = response.output  # no message: the answer is the calls (required: 1 or more)
+    assert calls and (len(calls) == 1 or tool_choice == "required")
     parameters = {t["name"]: t["parameters"] for t in TOOLS}
-    jsonschema.validate(json.loads(call.arguments), parameters[call.name])
-    if isinstance(tool_choice, dict):
-        assert call.name == "get_time"
+    for call in calls:
+        assert call.type == "function_call" and call.status == "completed"
+        assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), parameters[call.name])
+        if isinstance(tool_choice, dict):
+            assert call.name == "get_time"
     events = list(smol.responses.create(**fields, stream=True))
-    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
-    done = next(e for e in events if e.type == "response.function_call_arguments.done")
-    assert "".join(deltas) == done.arguments == call.arguments
-    (streamed,) = events[-1].response.output
-    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert done == [call.arguments for call in calls]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    for index, call in enumerate(calls):
+        mine = [e.delta for e in deltas if e.output_index == index]
+        assert "".join(mine) == call.arguments
+    streamed = events[-1].response.output
+    assert [(s.name, s.arguments) for s in streamed] == [(c.name, c.arguments) for c in calls]
     assert events[-1].type == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))

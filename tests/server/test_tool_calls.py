@@ -25,6 +25,7 @@ from inflight.entrypoints.openai.tool_calls import (
     parse_answer,
     parse_tools,
     render_tool_messages,
+    tool_constraint,
 )
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -102,19 +103,21 @@ def test_constrained_tool_calls_validate_and_stream_the_same(
     choice = response.choices[0]
     assert choice.finish_reason == want_finish, choice
     assert choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    if isinstance(tool_choice, dict):
-        assert call.function.name == "get_time"
-    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    calls = choice.message.tool_calls
+    assert calls and (len(calls) == 1 or tool_choice == "required")  # required: 1 or more
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        if isinstance(tool_choice, dict):
+            assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
     streamed, finish = _reassemble(
         _create(client, messages=MESSAGES, tool_choice=tool_choice, stream=True)
     )
     assert finish == want_finish
     assert [(c["name"], c["arguments"]) for c in streamed] == [
-        (call.function.name, call.function.arguments)
+        (call.function.name, call.function.arguments) for call in calls
     ]
-    assert streamed[0]["id"].startswith("call_")
+    assert all(c["id"].startswith("call_") for c in streamed)
 
 
 @pytest.mark.parametrize(
@@ -193,22 +196,64 @@ def test_hermes_auto_answers() -> None:
         assert parse_answer(text, PARSED_TOOLS, auto).content == text
 
 
+def test_required_answers_hold_every_call() -> None:
+    """A required answer is a JSON array of calls (vLLM's form): each one is a tool call,
+    in order, its arguments as JSON text."""
+    required = ToolChoice("required")
+    text = ('[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},\n'
+            ' {"name": "get_time", "arguments": {"timezone": "CET"}}]')
+    answer = parse_answer(text, PARSED_TOOLS, required)
+    assert answer.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in answer.calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "CET"})
+    ]
+    assert len({c.id for c in answer.calls}) == 2
+    streamer = ToolCallStreamer(PARSED_TOOLS, required)
+    assert streamer.feed(text) == ("", [])
+    rest, calls = streamer.finish()
+    assert rest == "" and [(c["index"], c["function"]["name"]) for c in calls] == [
+        (0, "get_weather"), (1, "get_time")
+    ]
+
+
+def test_required_grammar_allows_parallel_calls_unless_told_not_to() -> None:
+    both = tool_constraint(PARSED_TOOLS, ToolChoice("required")).json
+    one = tool_constraint(PARSED_TOOLS, ToolChoice("required"), parallel=False).json
+    assert isinstance(both, dict) and isinstance(one, dict)
+    call = {"name": "get_time", "arguments": {"timezone": "CET"}}
+    jsonschema.validate([call, call], both)
+    jsonschema.validate([call], one)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([call, call], one)
+    for bad in ([], call, [{"name": "get_time", "arguments": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, both)
+
+
 def test_constrained_answers_cut_short() -> None:
     required, named = ToolChoice("required"), ToolChoice("named", "get_weather")
-    cut = '{"name": "get_weather", "arguments": {"city": "Par'
+    cut = '[{"name": "get_weather", "arguments": {"city": "Par'
     (call,) = parse_answer(cut, PARSED_TOOLS, required).calls
     assert (call.name, call.arguments) == ("get_weather", '{"city": "Par')
+    # Cut in the second call: the first whole, the second as far as it got.
+    first = '[{"name": "get_time", "arguments": {"timezone": "CET"}}, '
+    calls = parse_answer(first + cut[1:], PARSED_TOOLS, required).calls
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_time", '{"timezone": "CET"}'), ("get_weather", '{"city": "Par')
+    ]
+    (call,) = parse_answer(first, PARSED_TOOLS, required).calls  # cut before the second
+    assert call.name == "get_time"
     answer = parse_answer('{"city": "Par', PARSED_TOOLS, named)
     assert answer.content is None
     assert [(c.name, c.arguments) for c in answer.calls] == [("get_weather", '{"city": "Par')]
     # Cut once the name is complete but before the arguments begin: the call, no arguments
-    # yet; cut inside the name: no call, the text stays content.
-    for text in ['{"name": "get_weather"', '{\n  "name": "get_weather",\n  "',
-                 '{"name": "get_weather", "argu', '{"name": "get_weather", "arguments": ']:
+    # yet; cut inside the first name: no call, the text stays content.
+    for text in ['[{"name": "get_weather"', '[\n  {\n  "name": "get_weather",\n  "',
+                 '[{"name": "get_weather", "argu', '[{"name": "get_weather", "arguments": ']:
         answer = parse_answer(text, PARSED_TOOLS, required)
         assert answer.content is None, text
         assert [(c.name, c.arguments) for c in answer.calls] == [("get_weather", "")], text
-    for text in ['{"name": "get_wea', '{"name": "get_weather", "x"']:
+    for text in ['[', '[{"name": "get_wea', '[{"name": "get_weather", "x"']:
         assert parse_answer(text, PARSED_TOOLS, required) == parse_answer(
             text, PARSED_TOOLS, ToolChoice("none")
         )

@@ -92,6 +92,7 @@ async def _serve(
         tools,
         tool_choice,
         structured_outputs_of(request.response_format, request.structured_outputs),
+        parallel=request.parallel_tool_calls is not False,
     )
     options = chat_options(
         chat_template=request.chat_template,

@@ -117,7 +117,10 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
     text_format = structured_outputs_of(
         response_format(request.text), request.structured_outputs, "text.format"
     )
-    constraint = answer_constraint(tools, tool_choice, text_format, "text.format")
+    constraint = answer_constraint(
+        tools, tool_choice, text_format, "text.format",
+        parallel=request.parallel_tool_calls is not False,
+    )
     params = _sampling_params(request, constraint, state.engine.default_sampling_params)
     token_ids = await off_loop(_prompt_ids, state, request, tools)
     max_model_len = state.engine.max_model_len

@@ -3,12 +3,13 @@
 - ``tools``: a list of ``{"type": "function", "function": {"name", "description",
   "parameters"}}``; anything else is a 400 naming ``tools``.
 - ``tool_choice``: ``"none"`` (plain text), ``"auto"`` (the default when tools are given:
-  the answer is parsed for tool calls), ``"required"`` (exactly one call to one of the
-  tools) or ``{"type": "function", "function": {"name": ...}}`` (one call to that tool).
-  ``"required"`` and named choices are enforced by a JSON schema grammar, so the arguments
-  always parse and match the function's ``parameters``: for ``"required"`` the answer is
-  ``{"name": ..., "arguments": {...}}`` (one branch per tool), for a named tool it is the
-  arguments object itself.
+  the answer is parsed for tool calls), ``"required"`` (one or more calls to the tools; one
+  with ``parallel_tool_calls: false``) or ``{"type": "function", "function": {"name": ...}}``
+  (one call to that tool). ``"required"`` and named choices are enforced by a JSON schema
+  grammar, so the arguments always parse and match the function's ``parameters``: for
+  ``"required"`` the answer is a JSON array of ``{"name": ..., "arguments": {...}}``
+  objects (one branch per tool; vLLM's form, as OpenAI may answer with parallel calls), for
+  a named tool it is the arguments object itself.
 - ``"auto"`` answers are parsed with the Hermes format (``--tool-call-parser hermes``): each
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block is a call, the text
   before the first block is the content.
@@ -38,13 +39,16 @@ TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-# A required answer (tool_constraint's object) whose name is complete (names match _NAME,
-# so need no escapes), and what may follow it in an answer cut short.
+# A required answer's call (an item of tool_constraint's array) whose name is complete
+# (names match _NAME, so need no escapes), and what may follow it in an answer cut short.
 _REQUIRED_NAME = re.compile(
     r'\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]{1,64})"\s*(?P<rest>.*)', re.DOTALL
 )
 _ARGUMENTS = re.compile(r'"arguments"\s*:\s*(?P<arguments>.*)', re.DOTALL)
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# Between a required answer's calls: whitespace and the comma.
+_BETWEEN_CALLS = re.compile(r"\s*,?\s*")
+_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +152,11 @@ def parse_tool_choice(value: Any, tools: Sequence[FunctionTool]) -> ToolChoice:
     )
 
 
-def tool_constraint(tools: Sequence[FunctionTool], choice: ToolChoice) -> StructuredOutputsParams:
-    """The grammar of a required or named choice (see the module docstring)."""
+def tool_constraint(
+    tools: Sequence[FunctionTool], choice: ToolChoice, parallel: bool = True
+) -> StructuredOutputsParams:
+    """The grammar of a required or named choice (see the module docstring); a required
+    answer holds at most one call unless ``parallel`` (``parallel_tool_calls``)."""
     if choice.mode == "named":
         tool = next(t for t in tools if t.name == choice.name)
         return checked(lambda: StructuredOutputsParams(json=tool.parameters), "tools")
@@ -168,7 +175,13 @@ def tool_constraint(tools: Sequence[FunctionTool], choice: ToolChoice) -> Struct
         }
         for t in tools
     ]
-    schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": branches[0] if len(branches) == 1 else {"anyOf": branches},
+        "minItems": 1,
+    }
+    if not parallel:
+        schema["maxItems"] = 1
     return checked(
         lambda: StructuredOutputsParams(json={**schema, "$defs": definitions}), "tools"
     )
@@ -192,9 +205,11 @@ def answer_constraint(
     choice: ToolChoice,
     constraint: StructuredOutputsParams | None,
     format_param: str = "response_format",
+    parallel: bool = True,
 ) -> StructuredOutputsParams | None:
-    """The answer's grammar: a required or named choice's, else the request's own
-    ``constraint`` (from ``format_param`` or ``structured_outputs``); both is a 400."""
+    """The answer's grammar: a required or named choice's (at most one call unless
+    ``parallel``), else the request's own ``constraint`` (from ``format_param`` or
+    ``structured_outputs``); both is a 400."""
     if not choice.constrained:
         return constraint
     if constraint is not None:
@@ -203,7 +218,7 @@ def answer_constraint(
             f"{format_param} or structured_outputs.",
             "tool_choice",
         )
-    return tool_constraint(tools, choice)
+    return tool_constraint(tools, choice, parallel)
 
 
 # ---------------------------------------------------------------------- rendering
@@ -288,21 +303,32 @@ def _call_block(call: Any) -> str:
 
 
 def constrained_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
-    """The call in a required/named answer.
+    """The calls in a required/named answer.
 
-    An answer cut short (``max_tokens``, finish reason ``length``) still holds its call,
-    with the arguments as generated so far (incomplete JSON), as OpenAI answers and as the
-    named choice streams them; only a required answer cut before its function's name is
-    complete has no call ([]: the text stays content).
+    An answer cut short (``max_tokens``, finish reason ``length``) still holds its calls,
+    the last with the arguments as generated so far (incomplete JSON), as OpenAI answers
+    and as the named choice streams them; a required answer cut before its first
+    function's name is complete has no call ([]: the text stays content).
     """
     if choice.mode == "named":  # the text is the arguments: sent as generated, as streamed
         assert choice.name is not None
         return [ToolCall(choice.name, text, new_call_id())]
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return _cut_required_call(text)
-    return [ToolCall(value["name"], _arguments_json(value["arguments"]), new_call_id())]
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    calls: list[ToolCall] = []
+    at = 1
+    while True:
+        at = _BETWEEN_CALLS.match(body, at).end()  # type: ignore[union-attr]
+        if at >= len(body) or body[at] == "]":
+            return calls
+        try:
+            value, at = _DECODER.raw_decode(body, at)
+        except ValueError:  # the answer was cut inside this call
+            return calls + _cut_required_call(body[at:])
+        calls.append(
+            ToolCall(value["name"], _arguments_json(value["arguments"]), new_call_id())
+        )
 
 
 def _cut_required_call(text: str) -> list[ToolCall]:
@@ -386,8 +412,9 @@ class ToolCallStreamer:
 
     * named choice: the answer is the arguments, so they stream as they come (the first
       delta names the call);
-    * required: the call is sent whole when the answer ends (its name comes first in the
-      text, its arguments after, so nothing could be sent earlier without a JSON parser);
+    * required: the calls are sent whole when the answer ends (each name comes first in
+      the text, its arguments after, so nothing could be sent earlier without a JSON
+      parser);
     * auto: text streams as content up to a (possible) ``<tool_call>``; what follows is
       parsed when the answer ends.
     """
