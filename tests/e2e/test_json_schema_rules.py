@@ -108,7 +108,7 @@ def test_arguments_keep_their_characters() -> None:
     body = '<tool_call>\n{"name": "f", "arguments": {"city": "日本🎉"}}\n</tool_call>'
     _, calls = parse_hermes(body, tools)
     assert calls[0].arguments == '{"city": "日本🎉"}'
-    required = constrained_calls('{"name": "f", "arguments": {"city": "日本"}}',
+    required = constrained_calls('[{"name": "f", "arguments": {"city": "日本"}}]',
                                  ToolChoice("required"))
     assert required[0].arguments == '{"city": "日本"}'
 
