@@ -161,7 +161,7 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
     "tool_choice": Implemented(
         "none, auto (Hermes <tool_call> parsing), required or a named function (grammar)"
     ),
-    "parallel_tool_calls": Implemented("false keeps only the first of an auto answer's calls"),
+    "parallel_tool_calls": Implemented("false: at most one call (auto keeps the first; required's grammar allows one)"),
     "functions": Refused(_DEPRECATED_FUNCTIONS),
     "function_call": Refused(_DEPRECATED_FUNCTIONS, equals("none", "auto")),
     "reasoning_effort": Refused(_NO_REASONING),
@@ -229,7 +229,7 @@ RESPONSES_FIELDS: dict[str, Treatment] = {
     "tool_choice": Implemented(
         "none, auto, required or {type: function, name}; other choices are a 400"
     ),
-    "parallel_tool_calls": Implemented("false keeps only the first of an auto answer's calls"),
+    "parallel_tool_calls": Implemented("false: at most one call (auto keeps the first; required's grammar allows one)"),
     "text": Implemented(
         "format text, json_object or json_schema: the output is constrained by a grammar"
     ),
