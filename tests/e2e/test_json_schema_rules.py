@@ -13,13 +13,8 @@ from typing import Any
 import pytest
 
 from inflight import LLM, SamplingParams, StructuredOutputsParams
-from inflight.entrypoints.openai.tool_calls import (
-    ToolChoice,
-    constrained_calls,
-    parse_hermes,
-    parse_tools,
-    tool_constraint,
-)
+from inflight.entrypoints.openai.tool_calls import ToolChoice, parse_tools, tool_constraint
+from inflight.entrypoints.openai.tool_parsing import constrained_calls, parse_hermes
 from inflight.structured_output.grammar import closed_objects, validate_grammar
 
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string",

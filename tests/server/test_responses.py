@@ -33,7 +33,8 @@ from inflight.engine.request_stream import EngineDeadError, RequestDelta
 from inflight.entrypoints.openai.protocol_responses import ResponsesRequest
 from inflight.entrypoints.openai.request_fields import RESPONSES_FIELDS, Implemented, Refused
 from inflight.entrypoints.openai.serving_responses import _Reply, _stream
-from inflight.entrypoints.openai.tool_calls import ToolChoice, parse_answer, parse_tools
+from inflight.entrypoints.openai.tool_calls import ToolChoice, parse_tools
+from inflight.entrypoints.openai.tool_parsing import parse_answer
 from inflight.sampling_params import SamplingParams
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

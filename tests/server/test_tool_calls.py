@@ -20,13 +20,12 @@ import pytest
 from server_harness import API_KEY, ServerProcess
 
 from inflight.entrypoints.openai.tool_calls import (
-    ToolCallStreamer,
     ToolChoice,
-    parse_answer,
     parse_tools,
     render_tool_messages,
     tool_constraint,
 )
+from inflight.entrypoints.openai.tool_parsing import ToolCallStreamer, parse_answer
 
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

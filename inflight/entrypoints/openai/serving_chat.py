@@ -62,14 +62,13 @@ from inflight.entrypoints.openai.serving_beam_search import beam_search_streams
 from inflight.entrypoints.openai.structured import structured_outputs_of
 from inflight.entrypoints.openai.tool_calls import (
     FunctionTool,
-    ToolCallStreamer,
     ToolChoice,
     answer_constraint,
     apply_tools,
-    parse_answer,
     parse_tool_choice,
     parse_tools,
 )
+from inflight.entrypoints.openai.tool_parsing import ToolCallStreamer, parse_answer
 from inflight.model.token_bytes import TokenBytes, token_bytes_of
 from inflight.outputs import SampleLogprobs
 

@@ -86,13 +86,12 @@ from inflight.entrypoints.openai.serving_chat import chat_options, render_messag
 from inflight.entrypoints.openai.structured import structured_outputs_of
 from inflight.entrypoints.openai.tool_calls import (
     FunctionTool,
-    ToolCallStreamer,
     ToolChoice,
     answer_constraint,
-    parse_answer,
     parse_tool_choice,
     parse_tools,
 )
+from inflight.entrypoints.openai.tool_parsing import ToolCallStreamer, parse_answer
 from inflight.model.token_bytes import TokenBytes, token_bytes_of
 from inflight.outputs import SampleLogprobs
 from inflight.sampling_params import SamplingParams, StructuredOutputsParams
@@ -362,7 +361,7 @@ class _StreamedOutput:
         yield self._delta(piece)
 
     def call(self, delta: dict[str, Any]) -> Iterator[str]:
-        """A chat tool-call delta (``tool_calls.ToolCallStreamer``'s)."""
+        """A chat tool-call delta (``tool_parsing.ToolCallStreamer``'s)."""
         index, function = delta["index"], delta["function"]
         call = self.calls.get(index)
         if call is None:
