@@ -98,6 +98,27 @@ def test_recursion_and_draft_07_definitions_under_required(llm: LLM) -> None:
     assert set(keys[3:]) <= {"v", "next"}, text  # every link a node, never a whole call
 
 
+def test_a_tool_schema_with_its_own_id_under_required(llm: LLM) -> None:
+    """(A schema with ``$id`` and local references was a 400 under required only: its
+    "#/..." references were rebased, but they resolve against the ``$id`` resource.)"""
+    named = {"type": "function", "function": {"name": "ll", "parameters": {
+        "$id": "https://example.com/linked-list.json",
+        "$defs": {"Value": {"type": "integer"}},
+        "type": "object", "properties": {
+            "v": {"$ref": "#/$defs/Value"},
+            "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["v", "next"]}}}
+    constraint = tool_constraint(parse_tools([named]), ToolChoice("required"))
+    out = llm.generate("A linked list of 1, 2, 3 as JSON:", SamplingParams(
+        temperature=0, max_tokens=120, structured_outputs=constraint), use_tqdm=False)[0]
+    text = out.outputs[0].text
+    keys = re.findall(r'"(\w+)"\s*:', text)
+    assert keys[:3] == ["name", "arguments", "v"], text
+    assert set(keys[3:]) <= {"v", "next"}, text  # "#" is the list node, not the call
+    values = re.findall(r'"v"\s*:\s*([^,}\s]+)', text)
+    assert values and all(re.fullmatch(r"-?\d+", v) for v in values), text  # $defs/Value
+
+
 def test_arguments_keep_their_characters() -> None:
     tools = parse_tools([{"type": "function", "function": {"name": "f"}}])
     body = '<tool_call>\n{"name": "f", "arguments": {"city": "日本🎉"}}\n</tool_call>'

@@ -319,7 +319,11 @@ def test_streamed_logprobs_join_to_the_unstreamed(client: openai.OpenAI) -> None
         ({"input": [{"role": "user", "content": [{"type": "text", "text": "w3"}]}]}, 400,
          "input", "'input_text'"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools", "web_search"),
-        ({"tools": [{"type": "function", "name": "bad name"}]}, 400, "tools", "name"),
+        # Named as the client wrote them: flat Responses tools have no "function" level.
+        ({"tools": [{"type": "function", "name": "bad name"}]}, 400, "tools",
+         "tools[0].name must"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, 400,
+         "tools", "tools[0].parameters must be a JSON schema of type 'object'"),
         ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400, "tools",
          "defer_loading"),
         ({"tool_choice": "required"}, 400, "tool_choice", "tools"),
@@ -535,6 +539,26 @@ def test_streamed_auto_tool_call_matches_the_parsed_answer() -> None:
     assert added["output_index"] == 1 and added["item"]["arguments"] == ""
     assert "".join(e.get("delta", "") for e in events
                    if e["type"] == "response.output_text.delta") == "Sure. "
+
+
+def test_streamed_calls_each_close_before_the_next_opens() -> None:
+    """(Item 1 was added before item 0 was done.) OpenAI finishes each output item before
+    adding the next; the items equal the unstreamed answer's."""
+    text = ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    events = _run(_FakeStream([text[:30], text[30:]]), "required")
+    item_events = [(e["type"].removeprefix("response."), e["output_index"]) for e in events
+                   if "output_index" in e]
+    assert item_events == [
+        ("output_item.added", 0), ("function_call_arguments.delta", 0),
+        ("function_call_arguments.done", 0), ("output_item.done", 0),
+        ("output_item.added", 1), ("function_call_arguments.delta", 1),
+        ("function_call_arguments.done", 1), ("output_item.done", 1),
+    ]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [json.loads(c["arguments"]) for c in done] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert all(c["status"] == "completed" for c in done)
+    assert events[-1]["response"]["output"] == done
 
 
 def test_streamed_named_call_streams_its_arguments() -> None:

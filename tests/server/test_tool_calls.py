@@ -19,10 +19,13 @@ import openai
 import pytest
 from server_harness import API_KEY, ServerProcess
 
+from inflight import SamplingParams
+from inflight.entrypoints.openai.errors import OpenAIError
 from inflight.entrypoints.openai.tool_calls import (
     ToolChoice,
     parse_tools,
     render_tool_messages,
+    tool_answer_params,
     tool_constraint,
 )
 from inflight.entrypoints.openai.tool_parsing import ToolCallStreamer, parse_answer
@@ -168,6 +171,52 @@ def test_follow_up_turn_with_the_tool_result(client: openai.OpenAI) -> None:
     assert "<tools>" in prompt and '"name": "get_time"' in prompt
 
 
+@pytest.mark.parametrize(
+    ("tool_choice", "stop"),
+    [("required", ["}", ",", "\n"]), ({"type": "function", "function": {"name": "get_weather"}},
+                                     ["}", '"'])],
+    ids=["required", "named"],
+)
+def test_stop_strings_do_not_cut_a_tool_answer(
+    client: openai.OpenAI, tool_choice: Any, stop: list[str]
+) -> None:
+    """(A stop string inside the grammar's JSON ended the answer with finish_reason
+    "tool_calls" and arguments that did not parse.) Stops apply to text answers only."""
+    want_finish = "stop" if isinstance(tool_choice, dict) else "tool_calls"
+    choice = _create(client, messages=MESSAGES, tool_choice=tool_choice, stop=stop).choices[0]
+    assert choice.finish_reason == want_finish and choice.stop_reason is None, choice
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    streamed, finish = _reassemble(
+        _create(client, messages=MESSAGES, tool_choice=tool_choice, stop=stop, stream=True)
+    )
+    assert finish == want_finish
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+    # A text answer still stops at them.
+    text = _create(client, messages=MESSAGES, tool_choice="none", stop=[" "]).choices[0]
+    assert text.finish_reason == "stop" and " " not in (text.message.content or "").strip()
+
+
+def test_a_streamed_required_answer_sends_no_empty_chunks(client: openai.OpenAI) -> None:
+    """(One empty chunk went out per token while the calls were held back; vLLM sends
+    none.) Past the role chunk every chunk carries calls or the finish reason."""
+    chunks = list(_create(client, messages=MESSAGES, tool_choice="required", stream=True))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert deltas[0].delta.role == "assistant"
+    for choice in deltas[1:]:
+        assert choice.delta.tool_calls or choice.finish_reason, choice
+    # With logprobs, each token's chunk still goes out: it carries the token.
+    with_logprobs = list(_create(client, messages=MESSAGES, tool_choice="required", stream=True,
+                                 logprobs=True))
+    tokens = [t for c in with_logprobs if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.content or []]
+    completion = _create(client, messages=MESSAGES, tool_choice="required")
+    assert len(tokens) == completion.usage.completion_tokens
+
+
 # ---------------------------------------------------------------- fixed texts
 
 PARSED_TOOLS = parse_tools(TOOLS)
@@ -310,6 +359,11 @@ BAD = [
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    # Arguments are a JSON object: OpenAI refuses any other parameters schema.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools"),
     (
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         "tool_choice",
@@ -334,6 +388,35 @@ def test_bad_tools_are_400s_and_the_server_keeps_serving(
     assert response.json()["error"]["param"] == param, response.text
     ok = httpx.post(url, json=body, headers=AUTH, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_parameters_are_an_object_schema_named_as_the_client_wrote_it() -> None:
+    def error(tool: dict[str, Any], flat: bool = False) -> str:
+        with pytest.raises(OpenAIError) as caught:
+            parse_tools([tool], flat=flat)
+        return caught.value.message
+
+    nested = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+    assert "tools[0].function.parameters must be a JSON schema of type 'object'" in error(nested)
+    flat = {"type": "function", "function": {"name": "bad name"}}  # as Responses' tools arrive
+    assert error(flat, flat=True).startswith("tools[0].name must be")
+    # Missing, empty and untyped parameters are object schemas.
+    untyped = {"properties": {"a": {"type": "integer"}}}
+    for parameters, want in [(None, {}), ({}, {}), (untyped, untyped["properties"])]:
+        (tool,) = parse_tools([{"type": "function",
+                                "function": {"name": "f", "parameters": parameters}}])
+        assert tool.parameters["type"] == "object"
+        assert tool.parameters["properties"] == want
+
+
+def test_stops_are_kept_for_text_answers_only() -> None:
+    params = SamplingParams(stop=["}"], stop_token_ids=[7])
+    for mode in ("required", "named"):
+        kept = tool_answer_params(params, ToolChoice(mode, "f"))
+        assert kept.stop == [] and kept.stop_token_ids == []
+    for mode in ("none", "auto"):
+        assert tool_answer_params(params, ToolChoice(mode)) is params
+    assert params.stop == ["}"]  # the request's own params are not changed
 
 
 def test_a_template_with_a_tool_format_renders_the_tools(tiny_server: ServerProcess) -> None:

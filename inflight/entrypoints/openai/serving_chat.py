@@ -67,6 +67,7 @@ from inflight.entrypoints.openai.tool_calls import (
     apply_tools,
     parse_tool_choice,
     parse_tools,
+    tool_answer_params,
 )
 from inflight.entrypoints.openai.tool_parsing import ToolCallStreamer, parse_answer
 from inflight.model.token_bytes import TokenBytes, token_bytes_of
@@ -109,8 +110,9 @@ async def _serve(
     check_length(
         len(token_ids), max_tokens, state.engine.max_model_len, "messages", max_tokens_param
     )
-    params = sampling_params(
-        request, max_tokens, constraint, state.engine.default_sampling_params
+    params = tool_answer_params(
+        sampling_params(request, max_tokens, constraint, state.engine.default_sampling_params),
+        tool_choice,
     )
     request_id = f"chatcmpl-{request.request_id}"
     state.log_request(request_id, [(None, token_ids)], params)
@@ -222,6 +224,12 @@ class _Reply:
 
     def streamer(self) -> ToolCallStreamer:
         return ToolCallStreamer(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    @property
+    def per_token_fields(self) -> bool:
+        """Whether every token's chunk carries something (its logprobs or id) even when
+        it adds no text."""
+        return self.top_logprobs is not None or self.return_token_ids
 
     def logprobs(
         self, token_ids: Sequence[int], logprobs: SampleLogprobs | None
@@ -384,6 +392,8 @@ async def _stream(
                 if delta.finish_reason is not None
                 else None
             )
+            if not (content or calls or finish_reason or reply.per_token_fields):
+                continue  # text held back (a tool call's), or none yet: no empty chunk
             yield chunk(
                 [
                     ChatChunkChoice(

@@ -90,6 +90,7 @@ from inflight.entrypoints.openai.tool_calls import (
     answer_constraint,
     parse_tool_choice,
     parse_tools,
+    tool_answer_params,
 )
 from inflight.entrypoints.openai.tool_parsing import ToolCallStreamer, parse_answer
 from inflight.model.token_bytes import TokenBytes, token_bytes_of
@@ -111,7 +112,7 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
     model = state.resolve_model(request.model)
     log_unknown_fields(request, "/v1/responses")
     refuse_unsupported(request, RESPONSES_FIELDS)
-    tools = parse_tools(chat_tools(request.tools))
+    tools = parse_tools(chat_tools(request.tools), flat=True)
     tool_choice = parse_tool_choice(chat_tool_choice(request.tool_choice), tools)
     text_format = structured_outputs_of(
         response_format(request.text), request.structured_outputs, "text.format"
@@ -120,7 +121,9 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
         tools, tool_choice, text_format, "text.format",
         parallel=request.parallel_tool_calls is not False,
     )
-    params = _sampling_params(request, constraint, state.engine.default_sampling_params)
+    params = tool_answer_params(
+        _sampling_params(request, constraint, state.engine.default_sampling_params), tool_choice
+    )
     token_ids = await off_loop(_prompt_ids, state, request, tools)
     max_model_len = state.engine.max_model_len
     check_length(
@@ -360,13 +363,16 @@ class _StreamedOutput:
             yield from self._open_message()
         yield self._delta(piece)
 
-    def call(self, delta: dict[str, Any]) -> Iterator[str]:
-        """A chat tool-call delta (``tool_parsing.ToolCallStreamer``'s)."""
+    def call(self, delta: dict[str, Any], status: str = "completed") -> Iterator[str]:
+        """A chat tool-call delta (``tool_parsing.ToolCallStreamer``'s). A new call first
+        closes the item before it (with ``status``), as OpenAI closes each item before
+        adding the next."""
         index, function = delta["index"], delta["function"]
         call = self.calls.get(index)
         if call is None:
             if self.message is not None:
                 yield from self._close_message("completed")
+            yield from self._close_calls(status)
             call = FunctionCall(
                 id=_item_id("fc"), call_id=delta["id"], name=function["name"], arguments=""
             )
@@ -389,7 +395,12 @@ class _StreamedOutput:
             if self.unsent:  # the last tokens added no text: their logprobs still go out
                 yield self._delta("")
             yield from self._close_message(status)
+        yield from self._close_calls(status)
+
+    def _close_calls(self, status: str) -> Iterator[str]:
         for call in self.calls.values():
+            if call.status != "in_progress":
+                continue  # closed already
             call.status = status
             yield self.event(
                 "response.function_call_arguments.done",
@@ -470,7 +481,7 @@ async def _stream(reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
             for piece in output.text(content):
                 yield piece
             for call in calls:
-                for piece in output.call(call):
+                for piece in output.call(call, _item_status(finish_reason)):
                     yield piece
             usage = ResponseUsage.of(
                 delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens

@@ -9,7 +9,9 @@
   grammar, so the arguments always parse and match the function's ``parameters``: for
   ``"required"`` the answer is a JSON array of ``{"name": ..., "arguments": {...}}``
   objects (one branch per tool; vLLM's form, as OpenAI may answer with parallel calls), for
-  a named tool it is the arguments object itself.
+  a named tool it is the arguments object itself. Such an answer ends when its grammar
+  does: the request's ``stop`` strings and ``stop_token_ids`` apply to text answers only
+  (:func:`tool_answer_params`), as OpenAI's ``stop`` never cuts a call's arguments.
 - ``"auto"`` answers are parsed (``tool_parsing.py``) with the Hermes format (``--tool-call-parser hermes``): each
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block is a call, the text
   before the first block is the content.
@@ -32,7 +34,7 @@ from typing import Any
 from inflight.entrypoints.chat_utils import ChatOptions
 from inflight.entrypoints.openai.errors import bad_request
 from inflight.entrypoints.openai.structured import checked
-from inflight.sampling_params import StructuredOutputsParams
+from inflight.sampling_params import SamplingParams, StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes",)
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -68,8 +70,14 @@ class ToolChoice:
 # ---------------------------------------------------------------------- request fields
 
 
-def parse_tools(tools: Sequence[Any] | None) -> list[FunctionTool]:
-    """The request's tools, checked; a 400 naming ``tools`` otherwise."""
+def parse_tools(tools: Sequence[Any] | None, flat: bool = False) -> list[FunctionTool]:
+    """The request's tools, checked; a 400 naming ``tools`` otherwise.
+
+    ``flat``: the tools came as the Responses API writes them (``tools[i].name``, not
+    chat's ``tools[i].function.name``), so errors name the fields that way. ``parameters``
+    must be an object schema (OpenAI's rule: arguments are a JSON object); one without a
+    ``type`` is taken as ``type: object``, a missing or empty one as no parameters.
+    """
     parsed: list[FunctionTool] = []
     for index, tool in enumerate(tools or []):
         where = f"tools[{index}]"
@@ -78,15 +86,14 @@ def parse_tools(tools: Sequence[Any] | None) -> list[FunctionTool]:
         function = tool.get("function")
         if not isinstance(function, Mapping):
             raise bad_request(f"{where}.function must be an object.", "tools")
+        field = where if flat else f"{where}.function"
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise bad_request(
-                f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}.",
+                f"{field}.name must be 1-64 letters, digits, '_' or '-', got {name!r}.",
                 "tools",
             )
-        parameters = function.get("parameters") or _NO_PARAMETERS
-        if not isinstance(parameters, dict):
-            raise bad_request(f"{where}.function.parameters must be a JSON schema.", "tools")
+        parameters = _object_schema(function.get("parameters"), f"{field}.parameters")
         description = function.get("description")
         parsed.append(
             FunctionTool(name, description if isinstance(description, str) else None, parameters)
@@ -95,6 +102,24 @@ def parse_tools(tools: Sequence[Any] | None) -> list[FunctionTool]:
     if len(set(names)) != len(names):
         raise bad_request("tools must have distinct function names.", "tools")
     return parsed
+
+
+def _object_schema(parameters: Any, field: str) -> dict[str, Any]:
+    """A function's ``parameters`` as an object schema; a 400 naming ``field`` otherwise."""
+    if parameters is None or parameters == {}:
+        return _NO_PARAMETERS
+    if not isinstance(parameters, dict):
+        raise bad_request(
+            f"{field} must be a JSON schema object, got {type(parameters).__name__}.", "tools"
+        )
+    kind = parameters.get("type", "object")
+    if kind != "object":
+        raise bad_request(
+            f"{field} must be a JSON schema of type 'object' (the arguments are a JSON "
+            f"object), got type {kind!r}.",
+            "tools",
+        )
+    return {"type": "object", **parameters}
 
 
 def parse_tool_choice(value: Any, tools: Sequence[FunctionTool]) -> ToolChoice:
@@ -158,10 +183,14 @@ def tool_constraint(
 
 
 def _rebased(schema: Any, base: str) -> Any:
-    """``schema`` with every local ``$ref`` ("#", "#/...") made relative to ``base``."""
+    """``schema`` with every local ``$ref`` ("#", "#/...") made relative to ``base``.
+
+    A subschema with an ``$id`` is a resource of its own: the local references inside it
+    point into it wherever it sits (JSON Schema 2020-12, section 8.2.1), so it stays as it is.
+    """
     if isinstance(schema, list):
         return [_rebased(item, base) for item in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or isinstance(schema.get("$id"), str):
         return schema
     out = {key: _rebased(value, base) for key, value in schema.items()}
     ref = schema.get("$ref")
@@ -189,6 +218,15 @@ def answer_constraint(
             "tool_choice",
         )
     return tool_constraint(tools, choice, parallel)
+
+
+def tool_answer_params(params: SamplingParams, choice: ToolChoice) -> SamplingParams:
+    """``params`` for the answer under ``choice``: a required or named answer drops the
+    request's stop strings and stop token ids (a ``"}"`` or ``"\\n"`` stop would cut the
+    grammar's JSON, leaving arguments that do not parse); a text answer keeps them."""
+    if not choice.constrained or not (params.stop or params.stop_token_ids):
+        return params
+    return replace(params, stop=[], stop_token_ids=[])
 
 
 # ---------------------------------------------------------------------- rendering
