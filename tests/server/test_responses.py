@@ -32,7 +32,8 @@ from helpers.tiny_model import with_generation_config
 from inflight.engine.request_stream import EngineDeadError, RequestDelta
 from inflight.entrypoints.openai.protocol_responses import ResponsesRequest
 from inflight.entrypoints.openai.request_fields import RESPONSES_FIELDS, Implemented, Refused
-from inflight.entrypoints.openai.serving_responses import _Reply, _stream
+from inflight.entrypoints.openai.responses_stream import stream_response
+from inflight.entrypoints.openai.serving_responses import ResponseReply
 from inflight.entrypoints.openai.tool_calls import ToolChoice, parse_tools
 from inflight.entrypoints.openai.tool_parsing import parse_answer
 from inflight.sampling_params import SamplingParams
@@ -502,14 +503,14 @@ class _FakeStream:
 
 def _run(stream: _FakeStream, mode: str, name: str | None = None) -> list[dict[str, Any]]:
     tools = parse_tools(CHAT_TOOLS)
-    reply = _Reply(
+    reply = ResponseReply(
         request=ResponsesRequest(input="w3"), model=TINY, params=SamplingParams(),
         max_output_tokens=16, tools=tools, tool_choice=ToolChoice(mode, name),
         decode=str, raw_bytes=None,
     )
 
     async def read() -> list[str]:
-        return [event async for event in _stream(reply, stream)]
+        return [event async for event in stream_response(reply, stream)]
 
     events = [data for _, data in _sse("".join(asyncio.run(read())))]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -6,21 +6,8 @@ answer equals ``/v1/chat/completions``' for the same messages. The answer is a R
 object whose ``output`` holds a ``message`` item (the text, unless the answer is only
 tool calls) and a ``function_call`` item per call.
 
-With ``stream: true`` the answer is OpenAI's typed server-sent events, each an
-``event: <type>`` line and a ``data:`` line whose ``sequence_number`` counts from 0::
-
-    response.created  response.in_progress
-    per output item:  response.output_item.added
-        a message:    response.content_part.added  response.output_text.delta (per piece
-                      of text)  response.output_text.done  response.content_part.done
-        a call:       response.function_call_arguments.delta  ...arguments.done
-                      response.output_item.done
-    response.completed                 (or, when the engine fails: error, response.failed)
-
-As in vLLM, the last event is ``response.completed`` even for a response cut by
-``max_output_tokens`` (its ``status`` says ``incomplete``; OpenAI sends
-``response.incomplete`` there), so the client's ``get_final_response()`` works for both.
-No ``data: [DONE]`` line follows, as from OpenAI and vLLM.
+With ``stream: true`` the answer is OpenAI's typed server-sent events
+(``responses_stream.py``).
 
 Nothing is stored, vLLM's default: ``store: true`` is accepted and turned off;
 ``previous_response_id`` and ``background`` are refused (``request_fields.py``).
@@ -29,13 +16,11 @@ Nothing is stored, vLLM's default: ``store: true`` is accepted and turned off;
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request, Response
-from pydantic_core import to_json
 
 from inflight.engine.request_stream import EngineDeadError, RequestStream, StreamDroppedError
 from inflight.entrypoints.openai.logprobs import chat_logprobs
@@ -70,6 +55,12 @@ from inflight.entrypoints.openai.responses_input import (
     response_format,
     wants_logprobs,
 )
+from inflight.entrypoints.openai.responses_stream import (
+    item_status,
+    new_item_id,
+    response_status,
+    stream_response,
+)
 from inflight.entrypoints.openai.serving import (
     EngineStreamingResponse,
     ServerState,
@@ -79,7 +70,6 @@ from inflight.entrypoints.openai.serving import (
     json_response,
     off_loop,
     parse_body,
-    stream_failure,
     until_disconnect,
 )
 from inflight.entrypoints.openai.serving_chat import chat_options, render_messages
@@ -142,7 +132,7 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
         request_timeout=request.request_timeout,
     )
     tokenizer = state.engine.tokenizer
-    reply = _Reply(
+    reply = ResponseReply(
         request=request,
         model=model,
         params=params,
@@ -154,7 +144,7 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
         raw_bytes=token_bytes_of(tokenizer),
     )
     if request.stream:
-        return EngineStreamingResponse(_stream(reply, stream), [stream])
+        return EngineStreamingResponse(stream_response(reply, stream), [stream])
     return await _complete(reply, stream)
 
 
@@ -202,7 +192,7 @@ def _prompt_ids(
 
 
 @dataclass(slots=True)
-class _Reply:
+class ResponseReply:
     """What the answer carries besides the engine's deltas."""
 
     request: ResponsesRequest
@@ -269,21 +259,7 @@ class _Reply:
         )
 
 
-def _status(finish_reason: str | None) -> str:
-    """The response's status: cut by the token limit (or the context) is incomplete;
-    aborted by the server (shutting down) is cancelled."""
-    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
-
-
-def _item_status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason in ("length", "abort") else "completed"
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-async def _complete(reply: _Reply, stream: RequestStream) -> Response:
+async def _complete(reply: ResponseReply, stream: RequestStream) -> Response:
     try:
         result = await collect(stream)
     except (EngineDeadError, StreamDroppedError) as error:
@@ -292,7 +268,7 @@ async def _complete(reply: _Reply, stream: RequestStream) -> Response:
     answer = parse_answer(
         completion.text, reply.tools, reply.tool_choice, reply.parallel_tool_calls
     )
-    item_status = _item_status(completion.finish_reason)
+    cut = item_status(completion.finish_reason)  # the last item's, and the calls'
     output: list[OutputItem] = []
     if answer.content or not answer.calls:
         text = OutputText(
@@ -300,201 +276,17 @@ async def _complete(reply: _Reply, stream: RequestStream) -> Response:
             logprobs=reply.logprobs(completion.token_ids, completion.logprobs),
         )
         # A message before calls was complete when they began.
-        status = "completed" if answer.calls else item_status
-        output.append(OutputMessage(id=_item_id("msg"), status=status, content=[text]))
+        status = "completed" if answer.calls else cut
+        output.append(OutputMessage(id=new_item_id("msg"), status=status, content=[text]))
     for call in answer.calls:
         output.append(
             FunctionCall(
-                id=_item_id("fc"),
+                id=new_item_id("fc"),
                 call_id=call.id,
                 name=call.name,
                 arguments=call.arguments,
-                status=item_status,
+                status=cut,
             )
         )
     usage = ResponseUsage.of(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)
-    return json_response(reply.response(_status(completion.finish_reason), output, usage))
-
-
-# ---------------------------------------------------------------------- streaming
-
-
-class _Events:
-    """OpenAI's typed server-sent events, numbered in the order they are sent."""
-
-    def __init__(self) -> None:
-        self.sequence_number = 0
-
-    def __call__(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return f"event: {kind}\ndata: {to_json(body).decode()}\n\n"
-
-
-@dataclass(slots=True)
-class _StreamedOutput:
-    """A streamed response's output items, announced as the answer's text comes.
-
-    The text streams into one message item, opened by its first piece; a tool call closes
-    the message (complete) and opens a function_call item, whose arguments stream as they
-    come (a named tool choice) or whole once parsed (auto, required). ``items`` ends up as
-    the non-streamed answer's ``output`` for the same text.
-    """
-
-    reply: _Reply
-    event: _Events
-    items: list[OutputItem] = field(default_factory=list)
-    message: OutputMessage | None = None  # while its text streams
-    logprobs: list[ChatTokenLogprob] = field(default_factory=list)  # all the tokens'
-    unsent: list[ChatTokenLogprob] = field(default_factory=list)  # text not sent yet
-    calls: dict[int, FunctionCall] = field(default_factory=dict)  # by the answer's index
-
-    def add_logprobs(self, entries: list[ChatTokenLogprob] | None) -> None:
-        """A delta's logprobs; they go out with the next piece of text."""
-        self.logprobs.extend(entries or [])
-        self.unsent.extend(entries or [])
-
-    def text(self, piece: str) -> Iterator[str]:
-        """A piece of the message's text, with the logprobs of the tokens not sent yet
-        (a token may add no text of its own: part of a character, a skipped special)."""
-        if not piece:
-            return
-        if self.message is None:
-            yield from self._open_message()
-        yield self._delta(piece)
-
-    def call(self, delta: dict[str, Any], status: str = "completed") -> Iterator[str]:
-        """A chat tool-call delta (``tool_parsing.ToolCallStreamer``'s). A new call first
-        closes the item before it (with ``status``), as OpenAI closes each item before
-        adding the next."""
-        index, function = delta["index"], delta["function"]
-        call = self.calls.get(index)
-        if call is None:
-            if self.message is not None:
-                yield from self._close_message("completed")
-            yield from self._close_calls(status)
-            call = FunctionCall(
-                id=_item_id("fc"), call_id=delta["id"], name=function["name"], arguments=""
-            )
-            self.calls[index] = call
-            self.items.append(call)
-            yield self.event("response.output_item.added", **self._index(call), item=call)
-        if function.get("arguments"):
-            call.arguments += function["arguments"]
-            yield self.event(
-                "response.function_call_arguments.delta",
-                **self._where(call),
-                delta=function["arguments"],
-            )
-
-    def finish(self, status: str) -> Iterator[str]:
-        """Close what is open; an answer of nothing is an empty message, as unstreamed."""
-        if not self.items:
-            yield from self._open_message()
-        if self.message is not None:
-            if self.unsent:  # the last tokens added no text: their logprobs still go out
-                yield self._delta("")
-            yield from self._close_message(status)
-        yield from self._close_calls(status)
-
-    def _close_calls(self, status: str) -> Iterator[str]:
-        for call in self.calls.values():
-            if call.status != "in_progress":
-                continue  # closed already
-            call.status = status
-            yield self.event(
-                "response.function_call_arguments.done",
-                **self._where(call),
-                name=call.name,
-                arguments=call.arguments,
-            )
-            yield self.event("response.output_item.done", **self._index(call), item=call)
-
-    def _open_message(self) -> Iterator[str]:
-        logprobs: list[ChatTokenLogprob] | None = (
-            [] if self.reply.params.logprobs is not None else None
-        )
-        message = OutputMessage(id=_item_id("msg"))
-        self.items.append(message)
-        yield self.event("response.output_item.added", **self._index(message), item=message)
-        message.content.append(OutputText(text="", logprobs=logprobs))
-        yield self.event(
-            "response.content_part.added",
-            **self._where(message),
-            content_index=0,
-            part=message.content[0],
-        )
-        self.message = message
-
-    def _delta(self, piece: str) -> str:
-        message = self.message
-        assert message is not None
-        message.content[0].text += piece
-        event = self.event(
-            "response.output_text.delta",
-            **self._where(message),
-            content_index=0,
-            delta=piece,
-            logprobs=self.unsent,
-        )
-        self.unsent = []
-        return event
-
-    def _close_message(self, status: str) -> Iterator[str]:
-        message, self.message = self.message, None
-        assert message is not None
-        part = message.content[0]
-        if part.logprobs is not None:
-            part.logprobs = list(self.logprobs)
-        where = {**self._where(message), "content_index": 0}
-        yield self.event(
-            "response.output_text.done", **where, text=part.text, logprobs=part.logprobs or []
-        )
-        yield self.event("response.content_part.done", **where, part=part)
-        message.status = status
-        yield self.event("response.output_item.done", **self._index(message), item=message)
-
-    def _index(self, item: OutputItem) -> dict[str, int]:
-        return {"output_index": self.items.index(item)}
-
-    def _where(self, item: OutputItem) -> dict[str, Any]:
-        return {"item_id": item.id, **self._index(item)}
-
-
-async def _stream(reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
-    event = _Events()
-    output = _StreamedOutput(reply, event)
-    started = reply.response("in_progress")
-    yield event("response.created", response=started)
-    yield event("response.in_progress", response=started)
-    streamer = reply.streamer()
-    finish_reason: str | None = None
-    usage = ResponseUsage.of(0, 0, 0)
-    try:
-        async for delta in stream:
-            output.add_logprobs(reply.logprobs(delta.token_ids, delta.logprobs))
-            content, calls = streamer.feed(delta.text)
-            if delta.finish_reason is not None:
-                finish_reason = delta.finish_reason
-                rest, more = streamer.finish()
-                content, calls = content + rest, calls + more
-            for piece in output.text(content):
-                yield piece
-            for call in calls:
-                for piece in output.call(call, _item_status(finish_reason)):
-                    yield piece
-            usage = ResponseUsage.of(
-                delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens
-            )
-        for piece in output.finish(_item_status(finish_reason)):
-            yield piece
-        final = reply.response(_status(finish_reason), output.items, usage)
-        yield event("response.completed", response=final)
-    except (EngineDeadError, StreamDroppedError) as error:
-        failure = stream_failure(error)
-        yield event("error", code=failure.code, message=failure.message, param=failure.param)
-        code = failure.code or ("server_error" if failure.status >= 500 else failure.type)
-        failed = ResponseError(code=code, message=failure.message)
-        yield event("response.failed", response=reply.response("failed", output.items, error=failed))
-    finally:
-        stream.close()
+    return json_response(reply.response(response_status(completion.finish_reason), output, usage))
