@@ -119,6 +119,26 @@ def test_a_tool_schema_with_its_own_id_under_required(llm: LLM) -> None:
     assert values and all(re.fullmatch(r"-?\d+", v) for v in values), text  # $defs/Value
 
 
+def test_keywords_the_grammar_cannot_enforce_do_not_refuse_a_tool(llm: LLM) -> None:
+    """(``uniqueItems``, which pydantic writes for every ``set`` field, and ``not`` were 400s
+    under a required or named choice only.) The rest of the schema still holds."""
+    tagged = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["tags"],
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                "uniqueItems": True, "maxItems": 3},
+                       "note": {"not": {"type": "null"}}}}}}
+    tools = parse_tools([tagged])
+    for choice in (ToolChoice("required"), ToolChoice("named", "tag")):
+        constraint = tool_constraint(tools, choice)
+        out = llm.generate("Tags for a photo of a cat on a sofa, as JSON:", SamplingParams(
+            temperature=0, max_tokens=60, structured_outputs=constraint), use_tqdm=False)[0]
+        (call,) = constrained_calls(out.outputs[0].text, choice)
+        arguments = json.loads(call.arguments)
+        assert set(arguments) <= {"tags", "note"} and "tags" in arguments, arguments
+        assert len(arguments["tags"]) <= 3
+        assert all(isinstance(t, str) and len(t) <= 12 for t in arguments["tags"]), arguments
+
+
 def test_arguments_keep_their_characters() -> None:
     tools = parse_tools([{"type": "function", "function": {"name": "f"}}])
     body = '<tool_call>\n{"name": "f", "arguments": {"city": "日本🎉"}}\n</tool_call>'

@@ -200,6 +200,23 @@ def test_stop_strings_do_not_cut_a_tool_answer(
     assert text.finish_reason == "stop" and " " not in (text.message.content or "").strip()
 
 
+@pytest.mark.parametrize(
+    "response_format",
+    [{"type": "json_object"},
+     {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "integer"}}}],
+)
+def test_a_forced_call_with_a_response_format_is_a_call(
+    client: openai.OpenAI, response_format: dict[str, Any]
+) -> None:
+    """(Was a 400; OpenAI and vLLM accept the pair, and agent SDKs send it: the format is
+    for the final text answer, the forced choice for this turn's call.)"""
+    choice = _create(client, messages=MESSAGES, tool_choice="required",
+                     response_format=response_format).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
 def test_a_streamed_required_answer_sends_no_empty_chunks(client: openai.OpenAI) -> None:
     """(One empty chunk went out per token while the calls were held back; vLLM sends
     none.) Past the role chunk every chunk carries calls or the finish reason."""
@@ -301,10 +318,13 @@ def test_constrained_answers_cut_short() -> None:
         answer = parse_answer(text, PARSED_TOOLS, required)
         assert answer.content is None, text
         assert [(c.name, c.arguments) for c in answer.calls] == [("get_weather", "")], text
+    # Cut before the first name is complete: no call, and no content either (the
+    # grammar's JSON array is not the model's words), streamed or not.
     for text in ['[', '[{"name": "get_wea', '[{"name": "get_weather", "x"']:
-        assert parse_answer(text, PARSED_TOOLS, required) == parse_answer(
-            text, PARSED_TOOLS, ToolChoice("none")
-        )
+        answer = parse_answer(text, PARSED_TOOLS, required)
+        assert answer.content is None and answer.calls == [], text
+        streamer = ToolCallStreamer(PARSED_TOOLS, required)
+        assert streamer.feed(text) == ("", []) and streamer.finish() == ("", []), text
     # Streamed, a cut required answer ends with the same call.
     streamer = ToolCallStreamer(PARSED_TOOLS, required)
     assert streamer.feed(cut) == ("", [])
@@ -370,10 +390,11 @@ BAD = [
     ),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    (
-        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-        "tool_choice",
-    ),
+    # The Responses API's flat named choice, sent to chat.
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice"),
+    # A forced call's grammar wins over a format, but a malformed format is still refused.
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "xml"}},
+     "response_format"),
 ]
 
 
@@ -407,6 +428,21 @@ def test_parameters_are_an_object_schema_named_as_the_client_wrote_it() -> None:
                                 "function": {"name": "f", "parameters": parameters}}])
         assert tool.parameters["type"] == "object"
         assert tool.parameters["properties"] == want
+
+
+def test_tool_schema_errors_name_the_function_and_its_own_paths() -> None:
+    """(Required choices reported pointers into the grammar's wrapper, ``/$defs/tool_f/...``.)"""
+    broken = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}}}}, TOOLS[0]])
+    for choice in (ToolChoice("required"), ToolChoice("named", "f")):
+        with pytest.raises(OpenAIError) as caught:
+            tool_constraint(broken, choice)
+        message = caught.value.message
+        assert message.startswith("Invalid function 'f' parameters:"), message
+        assert "'/$defs/Nope'" in message and "tool_f" not in message, message
+        assert caught.value.param == "tools"
+    # A tool that is not chosen is not compiled.
+    assert tool_constraint(broken, ToolChoice("named", "get_weather")).json is not None
 
 
 def test_stops_are_kept_for_text_answers_only() -> None:

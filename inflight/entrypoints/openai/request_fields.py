@@ -86,7 +86,8 @@ _SHARED: dict[str, Treatment] = {
     "logit_bias": Implemented("token id (a string) -> bias in [-100, 100] added to its logit"),
     "user": Implemented("accepted: an end-user id for abuse monitoring, no effect on output"),
     "response_format": Implemented(
-        "text, json_object or json_schema: the output is constrained by a grammar (llguidance)"
+        "text, json_object or json_schema: the output is constrained by a grammar (llguidance);"
+        " a required or named tool_choice's grammar takes its place"
     ),
     # vLLM's sampling extras
     "top_k": Implemented("top-k sampling (0 or -1: off)"),

@@ -41,8 +41,9 @@ def structured_outputs_of(
     )
 
 
-def checked(build: Any, param: str) -> StructuredOutputsParams:
-    """``build()``'s params once their grammar is known to compile; a 400 naming ``param``."""
+def checked(build: Any, param: str, what: str | None = None) -> StructuredOutputsParams:
+    """``build()``'s params once their grammar is known to compile; a 400 naming ``param``
+    (its message says "Invalid ``what``", by default ``param``)."""
     from inflight.structured_output.grammar import validate_grammar  # imports llguidance
 
     try:
@@ -50,7 +51,7 @@ def checked(build: Any, param: str) -> StructuredOutputsParams:
         validate_grammar(params)
     except ValueError as error:  # InvalidRequestError included
         message = str(error).removeprefix("StructuredOutputsParams: ")
-        raise bad_request(f"Invalid {param}: {message}", param) from error
+        raise bad_request(f"Invalid {what or param}: {message}", param) from error
     return params
 
 

@@ -11,8 +11,13 @@
   objects (one branch per tool; vLLM's form, as OpenAI may answer with parallel calls), for
   a named tool it is the arguments object itself. Such an answer ends when its grammar
   does: the request's ``stop`` strings and ``stop_token_ids`` apply to text answers only
-  (:func:`tool_answer_params`), as OpenAI's ``stop`` never cuts a call's arguments.
-- ``"auto"`` answers are parsed (``tool_parsing.py``) with the Hermes format (``--tool-call-parser hermes``): each
+  (:func:`tool_answer_params`), as OpenAI's ``stop`` never cuts a call's arguments; and
+  it is only calls, so ``response_format`` / ``structured_outputs`` (which constrain text
+  answers) give way to it, as in vLLM. Keywords the grammar cannot enforce (``uniqueItems``,
+  ``not``: pydantic writes the first for every ``set`` field) are left unenforced in
+  arguments, as OpenAI's non-strict tools leave them, rather than refused.
+- ``"auto"`` answers are parsed (``tool_parsing.py``) with the Hermes format
+  (``--tool-call-parser hermes``): each
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block is a call, the text
   before the first block is the content.
 
@@ -132,7 +137,15 @@ def parse_tool_choice(value: Any, tools: Sequence[FunctionTool]) -> ToolChoice:
         return ToolChoice(value)
     if isinstance(value, Mapping) and value.get("type") == "function":
         function = value.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            hint = (" (the Responses API's flat form; chat nests the name)"
+                    if "name" in value else "")
+            raise bad_request(
+                'A named tool_choice must be {"type": "function", "function": {"name": ...}}'
+                f", got {dict(value)!r}{hint}.",
+                "tool_choice",
+            )
+        name = function["name"]
         known = [t.name for t in tools]
         if name not in known:
             raise bad_request(
@@ -152,9 +165,18 @@ def tool_constraint(
 ) -> StructuredOutputsParams:
     """The grammar of a required or named choice (see the module docstring); a required
     answer holds at most one call unless ``parallel`` (``parallel_tool_calls``)."""
+    # Each tool on its own first, so an error names the tool and points into its own schema.
+    chosen = [t for t in tools if choice.mode == "required" or t.name == choice.name]
+    own = [
+        checked(
+            lambda t=tool: StructuredOutputsParams(json=_lenient(t.parameters)),
+            "tools",
+            f"function {tool.name!r} parameters",
+        )
+        for tool in chosen
+    ]
     if choice.mode == "named":
-        tool = next(t for t in tools if t.name == choice.name)
-        return checked(lambda: StructuredOutputsParams(json=tool.parameters), "tools")
+        return own[0]
     # Each tool's parameters live at $defs/<tool>, with their own "#..." references
     # pointing there, so recursion ("#"), $defs and draft-07 definitions all still resolve
     # once the arguments sit under "arguments" (vLLM hoists $defs alone).
@@ -178,8 +200,16 @@ def tool_constraint(
     if not parallel:
         schema["maxItems"] = 1
     return checked(
-        lambda: StructuredOutputsParams(json={**schema, "$defs": definitions}), "tools"
+        lambda: StructuredOutputsParams(json=_lenient({**schema, "$defs": definitions})), "tools"
     )
+
+
+def _lenient(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with llguidance told to skip keywords it cannot enforce (``x-guidance``'s
+    ``lenient``; a schema's own ``x-guidance`` settings are kept)."""
+    options = schema.get("x-guidance")
+    own = options if isinstance(options, dict) else {}
+    return {**schema, "x-guidance": {"lenient": True, **own}}
 
 
 def _rebased(schema: Any, base: str) -> Any:
@@ -208,15 +238,10 @@ def answer_constraint(
 ) -> StructuredOutputsParams | None:
     """The answer's grammar: a required or named choice's (at most one call unless
     ``parallel``), else the request's own ``constraint`` (from ``format_param`` or
-    ``structured_outputs``); both is a 400."""
+    ``structured_outputs``, checked by the caller). With both, the choice's: its answer is
+    only calls, and the format constrains text answers (vLLM and OpenAI accept the pair)."""
     if not choice.constrained:
         return constraint
-    if constraint is not None:
-        raise bad_request(
-            "tool_choice 'required' or a named function cannot be combined with "
-            f"{format_param} or structured_outputs.",
-            "tool_choice",
-        )
     return tool_constraint(tools, choice, parallel)
 
 

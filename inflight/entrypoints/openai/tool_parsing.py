@@ -57,7 +57,7 @@ def constrained_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
     An answer cut short (``max_tokens``, finish reason ``length``) still holds its calls,
     the last with the arguments as generated so far (incomplete JSON), as OpenAI answers
     and as the named choice streams them; a required answer cut before its first
-    function's name is complete has no call ([]: the text stays content).
+    function's name is complete has no call ([]).
     """
     if choice.mode == "named":  # the text is the arguments: sent as generated, as streamed
         assert choice.name is not None
@@ -150,8 +150,9 @@ def parse_answer(
     if choice.mode == "none":
         return ToolAnswer(text, [])
     if choice.constrained:
-        calls = constrained_calls(text, choice)
-        return ToolAnswer(None, calls) if calls else ToolAnswer(text, [])
+        # Only calls: an answer cut before its first call's name is complete has neither
+        # calls nor content (the grammar's JSON is not the model's words).
+        return ToolAnswer(None, constrained_calls(text, choice))
     content, calls = parse_hermes(text, tools)
     return ToolAnswer(content, calls if parallel else calls[:1])
 
@@ -205,7 +206,8 @@ class ToolCallStreamer:
             return "", []
         answer = parse_answer(self.text, self.tools, self.choice, self.parallel)
         if not answer.calls:
-            rest, self.sent = self.text[self.sent :], len(self.text)
+            rest = "" if self.choice.constrained else self.text[self.sent :]
+            self.sent = len(self.text)
             return rest, []
         self.has_calls = True
         return "", [call.as_openai(index) for index, call in enumerate(answer.calls)]
