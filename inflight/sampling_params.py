@@ -178,7 +178,11 @@ class SamplingParams:
     @classmethod
     def from_optional(cls, **options: Any) -> SamplingParams:
         """vLLM's constructor for optional values: a None means the field's default
-        (``max_tokens=None`` keeps its meaning, no limit)."""
+        (``max_tokens=None`` keeps its meaning, no limit). As in vLLM, ``logit_bias``
+        values are clamped to [-100, 100] here (the constructor refuses them outside)."""
+        bias = options.get("logit_bias")
+        if isinstance(bias, dict):
+            options["logit_bias"] = {token: _clamped_bias(b) for token, b in bias.items()}
         return cls(**{k: v for k, v in options.items() if v is not None or k == "max_tokens"})
 
     def clone(self) -> SamplingParams:
@@ -319,6 +323,14 @@ def _as_list(name: str, value: Any) -> list[Any] | None:
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         _fail(name, f"{name} must be a list, got {type(value).__name__} {value!r:.60}")
     return list(value)
+
+
+def _clamped_bias(bias: Any) -> Any:
+    """A number clamped to OpenAI's [-100, 100]; anything else (NaN, a string) as it is,
+    for the constructor to refuse."""
+    if isinstance(bias, (int, float)) and not isinstance(bias, bool) and bias == bias:
+        return min(100.0, max(-100.0, float(bias)))
+    return bias
 
 
 def _int_keys(logit_bias: Any) -> dict[int, float]:

@@ -212,8 +212,13 @@ class LLMEngine:
 
     @property
     def model_config(self) -> Any:
-        """vLLM's ``model_config``: the model's settings (``model``, ``dtype``, ...)."""
-        return dataclasses.replace(self.config.model, max_model_len=self.max_model_len)
+        """vLLM's ``model_config``: the model's settings (``model``: the path loaded,
+        ``dtype``, ...)."""
+        # model: the path loaded (the default model's file when none was named), as vLLM
+        # names what it loaded.
+        return dataclasses.replace(
+            self.config.model, max_model_len=self.max_model_len, model=self.model_path
+        )
 
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer (vLLM's ``get_tokenizer``; for a GGUF model

@@ -62,6 +62,16 @@ class LLM:
     def step_trace(self) -> StepTrace:
         return self.llm_engine.step_trace
 
+    def get_metrics(self) -> list[Any]:
+        """vLLM's offline metrics reader is not offered: the offline API keeps no
+        statistics. Raises ``NotImplementedError``; ``inflight serve`` exports vLLM's
+        metric families at ``/metrics``, and ``record_trace=True`` keeps every step."""
+        raise NotImplementedError(
+            "LLM.get_metrics is not supported: the offline API keeps no statistics; "
+            "`inflight serve` exports vLLM's metrics at /metrics, and LLM(record_trace=True) "
+            "keeps a StepTrace of every step"
+        )
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (e.g. between benchmark runs). Returns False,
         changing nothing, while any request holds KV blocks."""
@@ -74,11 +84,20 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
         lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. Calls from
-        several threads take turns (the engine runs one at a time); ``lora_request`` must
-        be None (no LoRA adapters)."""
+        several threads take turns (the engine runs one at a time). vLLM's
+        ``lora_request`` must be None, or one None per prompt (no LoRA adapters), and
+        ``tokenization_kwargs`` empty (text prompts are encoded as the model's tokenizer
+        does; pass ``prompt_token_ids`` or ``truncate_prompt_tokens`` to control it)."""
         _refuse_lora(lora_request)
+        if tokenization_kwargs:
+            raise ValueError(
+                f"tokenization_kwargs {sorted(tokenization_kwargs)} are not supported: text "
+                "prompts are encoded as the model's tokenizer does; pass prompt_token_ids, "
+                "or SamplingParams.truncate_prompt_tokens to truncate"
+            )
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -266,6 +285,9 @@ class LLM:
 
 
 def _refuse_lora(lora_request: Any) -> None:
+    """None, or vLLM's per-prompt list of them, is no adapter; anything else is refused."""
+    if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
+        return
     if lora_request is not None:
         raise ValueError("lora_request is not supported: this engine serves no LoRA adapters")
 

@@ -97,6 +97,21 @@ def test_vllm_s_neutral_arguments_are_accepted_and_others_refused(llm: LLM) -> N
     assert texts(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=None)) == expected
     with pytest.raises(ValueError, match="lora_request"):
         llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=object())
+    # vLLM's per-prompt list: all None is no adapter (was refused).
+    assert texts(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False,
+                              lora_request=[None, None])) == texts(
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[None, object()])
+    # tokenization_kwargs: empty is accepted, anything else refused by name (was a TypeError).
+    assert texts(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False,
+                              tokenization_kwargs={})) == expected
+    with pytest.raises(ValueError, match="tokenization_kwargs.*truncation"):
+        llm.generate("w3", GREEDY, use_tqdm=False, tokenization_kwargs={"truncation": True})
+    with pytest.raises(NotImplementedError, match="get_metrics.*/metrics"):
+        llm.get_metrics()
+    # model_config names what was loaded (was None for a model given as a path or the default).
+    assert llm.llm_engine.model_config.model == llm.llm_engine.model_path
     messages = [{"role": "user", "content": "w3"}]
     chat = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=TEMPLATE,
                     lora_request=None, mm_processor_kwargs=None,
@@ -107,6 +122,18 @@ def test_vllm_s_neutral_arguments_are_accepted_and_others_refused(llm: LLM) -> N
                         "chat_template_content_format")):
         with pytest.raises(ValueError, match=match):
             llm.chat(messages, GREEDY, use_tqdm=False, chat_template=TEMPLATE, **bad)
+
+
+def test_from_optional_clamps_logit_bias_as_vllm_does() -> None:
+    """(vLLM's ``from_optional`` clamps biases to [-100, 100]; ours refused them.) The
+    constructor still refuses them, and what is not a number is refused either way."""
+    params = SamplingParams.from_optional(logit_bias={"5": 1000.0, 6: -250, 7: 3})
+    assert params.logit_bias == {5: 100.0, 6: -100.0, 7: 3.0}
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 150.0})
+    for bad in (float("nan"), "high"):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams.from_optional(logit_bias={5: bad})
 
 
 def test_numpy_integer_token_ids_are_token_ids(llm: LLM) -> None:
