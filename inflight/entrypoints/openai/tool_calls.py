@@ -1,4 +1,4 @@
-"""Tool calling on chat completions: ``tools``, ``tool_choice``, and parsing the answer.
+"""Tool calling on chat completions: ``tools``, ``tool_choice``, their grammar and rendering.
 
 - ``tools``: a list of ``{"type": "function", "function": {"name", "description",
   "parameters"}}``; anything else is a 400 naming ``tools``.
