@@ -325,6 +325,8 @@ def test_streamed_logprobs_join_to_the_unstreamed(client: openai.OpenAI) -> None
          "tools[0].name must"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, 400,
          "tools", "tools[0].parameters must be a JSON schema of type 'object'"),
+        ({"tools": [{"type": "function", "name": "f", "strict": 1}]}, 400, "tools",
+         "tools[0].strict must be a boolean"),
         ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400, "tools",
          "defer_loading"),
         ({"tool_choice": "required"}, 400, "tool_choice", "tools"),

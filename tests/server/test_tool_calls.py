@@ -384,6 +384,9 @@ BAD = [
      "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools"),
+    # Not dropped in silence: a description or strict of the wrong type.
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools"),
     (
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         "tool_choice",

@@ -193,7 +193,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
                 raise bad_request(f"tools[{index}].{key} is not supported.", "tools")
         # strict is accepted: a required or named choice's grammar enforces the schema.
         # output_schema describes the function's result, which the model never writes.
-        keys = ("name", "description", "parameters")
+        keys = ("name", "description", "parameters", "strict")
         out.append({"type": "function", "function": {k: tool[k] for k in keys if k in tool}})
     return out
 

@@ -100,9 +100,12 @@ def parse_tools(tools: Sequence[Any] | None, flat: bool = False) -> list[Functio
             )
         parameters = _object_schema(function.get("parameters"), f"{field}.parameters")
         description = function.get("description")
-        parsed.append(
-            FunctionTool(name, description if isinstance(description, str) else None, parameters)
-        )
+        if description is not None and not isinstance(description, str):
+            raise bad_request(f"{field}.description must be a string.", "tools")
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"{field}.strict must be a boolean.", "tools")
+        parsed.append(FunctionTool(name, description, parameters))
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise bad_request("tools must have distinct function names.", "tools")
