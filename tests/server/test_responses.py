@@ -330,6 +330,15 @@ def test_streamed_logprobs_join_to_the_unstreamed(client: openai.OpenAI) -> None
         ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400, "tools",
          "defer_loading"),
         ({"tool_choice": "required"}, 400, "tool_choice", "tools"),
+        # Errors describe the Responses forms, not chat's.
+        ({"tools": [{"type": "function", "name": "f"}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice",
+         "{'type': 'function', 'name': ...}, got {'type': 'function', 'function': {'name': 'f'}}"
+         " (chat's nested form"),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+         400, "tool_choice", "{'type': 'function', 'name': ...}"),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "requird"}, 400,
+         "tool_choice", "{'type': 'function', 'name': ...}, got 'requird'"),
         ({"tool_choice": {"type": "web_search_preview"}}, 400, "tool_choice",
          "web_search_preview"),
         ({"tools": [{"type": "function", "name": "f"}],

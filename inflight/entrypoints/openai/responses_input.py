@@ -199,16 +199,28 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    """Responses' ``{type: function, name}`` as chat's named choice; strings as they are."""
-    if not isinstance(choice, dict):
+    """Responses' ``{type: function, name}`` as chat's named choice; strings as they are.
+    Errors describe the Responses forms (flat ``name``), not chat's."""
+    forms = "'none', 'auto', 'required' or {'type': 'function', 'name': ...}"
+    if choice is None or choice in ("none", "auto", "required"):
         return choice
-    if choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    raise bad_request(
-        f"tool_choice of type {choice.get('type')!r} is not supported: use 'none', 'auto', "
-        "'required' or {'type': 'function', 'name': ...}.",
-        "tool_choice",
-    )
+    if not isinstance(choice, dict):
+        raise bad_request(f"tool_choice must be {forms}, got {choice!r}.", "tool_choice")
+    if choice.get("type") != "function":
+        raise bad_request(
+            f"tool_choice of type {choice.get('type')!r} is not supported: use {forms}.",
+            "tool_choice",
+        )
+    name = choice.get("name")
+    if not isinstance(name, str):
+        hint = " (chat's nested form; the Responses API names the function flat)" if (
+            "function" in choice) else ""
+        raise bad_request(
+            "A named tool_choice must be {'type': 'function', 'name': ...}, got "
+            f"{choice!r}{hint}.",
+            "tool_choice",
+        )
+    return {"type": "function", "function": {"name": name}}
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
