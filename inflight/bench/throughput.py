@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inflight.bench.cli_types import int_at_least
 from inflight.bench.workloads import rate_arg
 
 # Workload-specific engine defaults, applied only where the user gave no value: the
@@ -103,7 +104,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     runs.add_argument(
         "--threads",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="torch threads per run (default: torch's choice); 1 is steadier on a busy machine",
     )

@@ -39,6 +39,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 # The named workloads target SmolLM2 (vocab 49152) and stay clear of its special and
 # byte tokens, exactly as bench/make_workload.py does.
@@ -303,31 +304,63 @@ def full_prompt_lens(requests: list[WorkloadRequest]) -> dict[int, int]:
 
 
 def read_jsonl(path: str | Path) -> Workload:
+    """A workload file: one JSON object a line, ``{"prompt_token_ids": [int, ...],
+    "max_tokens": int}`` plus optional ``id``, ``arrival_s``, ``after`` and ``think_s``
+    (finite seconds >= 0). Raises ``ValueError`` naming the file and line of a bad one."""
     requests = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            try:
-                after = row.get("after")
-                request = WorkloadRequest(
-                    int(row.get("id", n - 1)),
-                    [int(t) for t in row["prompt_token_ids"]],
-                    int(row["max_tokens"]),
-                    float(row.get("arrival_s", 0.0)),
-                    None if after is None else int(after),
-                    float(row.get("think_s", 0.0)),
-                )
-            except (KeyError, TypeError) as error:
-                raise ValueError(f"{path}:{n}: needs prompt_token_ids and max_tokens") from error
-            if request.max_tokens < 1 or not request.prompt_token_ids:
-                raise ValueError(f"{path}:{n}: empty prompt or max_tokens < 1")
-            requests.append(request)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (a JSONL workload): {error}") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            requests.append(_workload_request(json.loads(line), n))
+        except ValueError as error:  # json's decode errors included
+            raise ValueError(f"{path}:{n}: {error}") from None
     if not requests:
         raise ValueError(f"{path} holds no requests")
     full_prompt_lens(requests)  # every dependency points back to an earlier request
     return Workload(Path(path).stem, requests)
+
+
+def _workload_request(row: Any, n: int) -> WorkloadRequest:
+    """One line's request; ``ValueError`` says which field is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"each line must be a JSON object, got {type(row).__name__}")
+    if "prompt_token_ids" not in row or "max_tokens" not in row:
+        raise ValueError("needs prompt_token_ids and max_tokens")
+    ids = row["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+        raise ValueError("prompt_token_ids must be a non-empty list of token ids (integers >= 0)")
+    max_tokens = row["max_tokens"]
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    after = row.get("after")
+    for name, value in (("id", row.get("id", n - 1)), ("after", after)):
+        if value is not None and not _is_int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    return WorkloadRequest(
+        int(row.get("id", n - 1)),
+        list(ids),
+        max_tokens,
+        _seconds(row, "arrival_s"),
+        None if after is None else int(after),
+        _seconds(row, "think_s"),
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seconds(row: dict[str, Any], name: str) -> float:
+    value = row.get(name, 0.0)
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def named(name: str, rate: float | None = None) -> Workload:

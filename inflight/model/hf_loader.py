@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -37,7 +38,20 @@ def load_hf_directory(directory: Path) -> LoadedCheckpoint:
 def hf_arch_config(
     config: dict[str, Any], generation_config: dict[str, Any], source: str = "config.json"
 ) -> LlamaArchConfig:
-    """The architecture record for a transformers ``config.json`` dict."""
+    """The architecture record for a transformers ``config.json`` dict; ``ValueError``
+    naming ``source`` and the field for a missing or malformed one."""
+    try:
+        return _arch_config(config, generation_config, source)
+    except (KeyError, TypeError) as error:
+        what = f"missing {error}" if isinstance(error, KeyError) else f"malformed: {error}"
+        raise ValueError(f"{source}: config {what}") from None
+
+
+def _arch_config(
+    config: dict[str, Any], generation_config: dict[str, Any], source: str
+) -> LlamaArchConfig:
+    if not isinstance(config, dict):
+        raise ValueError(f"{source}: config.json must hold a JSON object")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -116,8 +130,12 @@ def _reject_unsupported_features(
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """A JSON file; ``ValueError`` naming it when it does not parse."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)  # type: ignore[no-any-return]
+    except ValueError as error:  # JSON and UTF-8 decode errors
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
 
 
 def _load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -131,7 +149,11 @@ def _load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{directory}: no *.safetensors weight files found")
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
-        for name, tensor in load_file(shard).items():
+        try:
+            tensors = load_file(shard)
+        except SafetensorError as error:
+            raise ValueError(f"{shard} is not a valid safetensors file: {error}") from None
+        for name, tensor in tensors.items():
             # Some older exports include the (recomputed) RoPE inverse-frequency buffer.
             if not name.endswith("rotary_emb.inv_freq"):
                 weights[name] = tensor.float()

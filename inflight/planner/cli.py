@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from inflight.bench.cli_types import int_at_least, ints_at_least
 from inflight.bench.workloads import rate_arg
 from inflight.config import BATCHING_MODES, DEFAULT_BLOCK_SIZE, SCHEDULING_POLICIES
 
@@ -66,32 +67,28 @@ def build_calibrate_parser(parser: argparse.ArgumentParser) -> None:
         "'inflight simulate' uses without --cost)",
     )
     group.add_argument("--trace-out", default=None, help="also save the sweep's step trace")
-    group.add_argument("--batch-sizes", default=_csv(plan.batch_sizes),
+    group.add_argument("--batch-sizes", type=ints_at_least(1), default=_csv(plan.batch_sizes),
                        help="decode batch sizes (default: %(default)s)")
-    group.add_argument("--context-lens", default=_csv(plan.context_lens),
+    group.add_argument("--context-lens", type=ints_at_least(1), default=_csv(plan.context_lens),
                        help="prompt lengths of the decode batches (default: %(default)s)")
-    group.add_argument("--prefill-lens", default=_csv(plan.prefill_lens),
+    group.add_argument("--prefill-lens", type=ints_at_least(1), default=_csv(plan.prefill_lens),
                        help="lengths of single prompts, chunked by the budget (default: %(default)s)")
-    group.add_argument("--decode-steps", type=int, default=plan.decode_steps,
+    group.add_argument("--decode-steps", type=int_at_least(1), default=plan.decode_steps,
                        help="output tokens per decode-batch request (default: %(default)s)")
-    group.add_argument("--max-prompt-tokens", type=int, default=plan.max_prompt_tokens,
+    group.add_argument("--max-prompt-tokens", type=int_at_least(1), default=plan.max_prompt_tokens,
                        help="skip decode batches with more prompt tokens (default: %(default)s)")
-    group.add_argument("--skip-steps", type=int, default=0,
+    group.add_argument("--skip-steps", type=int_at_least(0), default=0,
                        help="with --from-trace: ignore the trace's first N steps (warm-up)")
-    group.add_argument("--kv-bytes-per-token", type=int, default=None,
+    group.add_argument("--kv-bytes-per-token", type=int_at_least(1), default=None,
                        help="with --from-trace: the traced model's KV bytes per token "
                        "(default: SmolLM2-135M in bfloat16)")
-    group.add_argument("--threads", type=int, default=None, help="torch threads")
+    group.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads")
     add_engine_args(parser)
     parser.set_defaults(handler=run_calibrate)
 
 
 def _csv(values: tuple[int, ...]) -> str:
     return ",".join(str(v) for v in values)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v.strip())
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -116,8 +113,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         from inflight.entrypoints.engine_args import engine_options
 
         plan = CalibrationPlan(
-            batch_sizes=_ints(args.batch_sizes), context_lens=_ints(args.context_lens),
-            prefill_lens=_ints(args.prefill_lens), decode_steps=args.decode_steps,
+            batch_sizes=args.batch_sizes, context_lens=args.context_lens,
+            prefill_lens=args.prefill_lens, decode_steps=args.decode_steps,
             max_prompt_tokens=args.max_prompt_tokens,
         )
         print("calibrating: timing engine steps of known shapes ...", file=sys.stderr, flush=True)
@@ -182,7 +179,7 @@ def build_simulate_parser(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--model", default=None, help="model to validate against (default model)")
     check.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     check.add_argument("--device", default="auto")
-    check.add_argument("--threads", type=int, default=None, help="torch threads")
+    check.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads")
     parser.set_defaults(handler=run_simulate)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,61 @@ def test_bad_workloads_are_rejected(tmp_path: Path) -> None:
     bad.write_text('{"prompt_token_ids": [1, 2]}\n')
     with pytest.raises(ValueError, match="max_tokens"):
         workloads.resolve(str(bad))
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("[1, 2, 3]", "each line must be a JSON object, got list"),
+        ("null", "each line must be a JSON object"),
+        ('{"prompt_token_ids": "abc", "max_tokens": 3}', "prompt_token_ids must be"),
+        ('{"prompt_token_ids": [[1, 2]], "max_tokens": 3}', "prompt_token_ids must be"),
+        ('{"prompt_token_ids": [1, 2.5], "max_tokens": 3}', "prompt_token_ids must be"),
+        ('{"prompt_token_ids": [1], "max_tokens": "4"}', "max_tokens must be an integer"),
+        ('{"prompt_token_ids": [1], "max_tokens": 4.7}', "max_tokens must be an integer"),
+        ('{"prompt_token_ids": [1], "max_tokens": 4, "arrival_s": NaN}', "arrival_s must be"),
+        ('{"prompt_token_ids": [1], "max_tokens": 4, "arrival_s": -1}', "arrival_s must be"),
+        ('{"prompt_token_ids": [1], "max_tokens": 4, "think_s": "soon"}', "think_s must be"),
+        ("{not json", "Expecting"),
+    ],
+)
+def test_a_bad_workload_line_is_named_by_file_and_line(
+    tmp_path: Path, line: str, message: str
+) -> None:
+    """(A line that was not an object was an AttributeError; a NaN arrival hung the
+    simulator; other bad values named neither the file nor the line.)"""
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 2}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"w.jsonl:2: .*{re.escape(message)}"):
+        workloads.read_jsonl(path)
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        workloads.read_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["calibrate", "--threads", "0"],
+        ["calibrate", "--batch-sizes", "abc"],
+        ["calibrate", "--batch-sizes", ","],
+        ["calibrate", "--context-lens", "0"],
+        ["calibrate", "--decode-steps", "0"],
+        ["calibrate", "--skip-steps", "-1"],
+        ["calibrate", "--kv-bytes-per-token", "-5"],
+        ["bench", "throughput", "--threads", "-2", "--dry-run"],
+    ],
+)
+def test_bad_numbers_are_usage_errors_naming_the_option(argv: list[str], capsys) -> None:
+    """(--threads 0 was a traceback from torch; calibrate's sweep options failed after the
+    model had loaded, naming no option.)"""
+    from inflight.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[1]}:" in err or f"argument {argv[2]}:" in err, err
 
 
 @pytest.mark.parametrize("rate", [float("nan"), -1.0, 0.0, float("inf")])

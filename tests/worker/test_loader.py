@@ -590,6 +590,26 @@ def test_unsupported_hf_configs(tmp_path, overrides, message):
         load_checkpoint(_write_config(tmp_path / "bad", **overrides))
 
 
+def test_broken_model_files_are_errors_naming_the_file(tmp_path):
+    """(A config without hidden_size was a KeyError, a config that is not JSON named no
+    file, a corrupt weights file was safetensors' own error.)"""
+    directory = _write_config(tmp_path / "nohidden")
+    config = json.loads((directory / "config.json").read_text())
+    del config["hidden_size"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"nohidden: config missing 'hidden_size'"):
+        load_checkpoint(directory)
+    broken = tmp_path / "notjson"
+    broken.mkdir()
+    (broken / "config.json").write_text("{model_type: llama}")
+    with pytest.raises(ValueError, match=r"notjson/config.json is not valid JSON"):
+        load_checkpoint(broken)
+    weights = _write_config(tmp_path / "badweights")
+    (weights / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"model.safetensors is not a valid safetensors file"):
+        load_checkpoint(weights)
+
+
 def test_mistral_full_window_is_accepted(tmp_path, smollm):
     directory = _save_hf(_tiny_llama(), tmp_path / "mistral", smollm.tokenizer)
     _write_config(directory, model_type="mistral", sliding_window=None)

@@ -1,0 +1,36 @@
+"""argparse types for the command lines' numbers: a bad value is a usage error naming
+its option (``argument --threads: must be an integer >= 1, got 0``), raised before any
+model loads, never a traceback or a failure deep inside a run."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """The type of an integer option that must be ``>= low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def ints_at_least(low: int) -> Callable[[str], tuple[int, ...]]:
+    """The type of a comma-separated list of integers, each ``>= low``, at least one."""
+    one = int_at_least(low)
+
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(one(v.strip()) for v in text.split(",") if v.strip())
+        if not values:
+            raise argparse.ArgumentTypeError(f"needs at least one integer >= {low}, got {text!r}")
+        return values
+
+    return parse
