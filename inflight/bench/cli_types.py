@@ -5,6 +5,7 @@ model loads, never a traceback or a failure deep inside a run."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
@@ -32,5 +33,21 @@ def ints_at_least(low: int) -> Callable[[str], tuple[int, ...]]:
         if not values:
             raise argparse.ArgumentTypeError(f"needs at least one integer >= {low}, got {text!r}")
         return values
+
+    return parse
+
+
+def seconds(allow_zero: bool = False) -> Callable[[str], float]:
+    """The type of a duration option: finite seconds, ``> 0`` (or ``>= 0``)."""
+    bound = ">= 0" if allow_zero else "> 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be seconds {bound}, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"must be finite seconds {bound}, got {text}")
+        return value
 
     return parse

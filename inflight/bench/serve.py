@@ -36,6 +36,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from inflight.bench.cli_types import int_at_least
 from inflight.bench.serve_report import RequestResult, format_report, summarize
 from inflight.bench.serve_workload import (
     BenchRequest,
@@ -328,15 +329,15 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="the first N workload requests (synthetic default: 100)",
     )
-    load.add_argument("--random-input-len", type=int, default=256)
-    load.add_argument("--random-output-len", type=int, default=64)
+    load.add_argument("--random-input-len", type=int_at_least(1), default=256)
+    load.add_argument("--random-output-len", type=int_at_least(1), default=64)
     load.add_argument(
         "--random-token-low",
-        type=int,
+        type=int_at_least(0),
         default=1000,
         help="synthetic prompt ids are drawn from [low, high)",
     )
-    load.add_argument("--random-token-high", type=int, default=30000)
+    load.add_argument("--random-token-high", type=int_at_least(1), default=30000)
     load.add_argument(
         "--request-rate",
         type=_rate_or_inf,
@@ -345,7 +346,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "default: the workload's arrival_s, else inf",
     )
     load.add_argument(
-        "--max-concurrency", type=int, default=None, help="at most this many requests in flight"
+        "--max-concurrency", type=int_at_least(1), default=None,
+        help="at most this many requests in flight"
     )
     load.add_argument("--seed", type=int, default=0)
     out = parser.add_argument_group("output")
@@ -371,6 +373,11 @@ def run(args: argparse.Namespace) -> int:
     if args.workload:
         requests = load_workload(args.workload, args.num_prompts, args.rate)
     else:
+        if args.random_token_low >= args.random_token_high:
+            raise ValueError(
+                f"--random-token-low ({args.random_token_low}) must be below "
+                f"--random-token-high ({args.random_token_high})"
+            )
         requests = synthetic_workload(
             args.num_prompts or 100,
             args.random_input_len,

@@ -6,7 +6,7 @@ reads none. Of the file, only what changes sampling is kept, under
 :class:`~inflight.sampling_params.SamplingParams` names: ``repetition_penalty``,
 ``temperature``, ``top_k``, ``top_p``, ``min_p``, and ``max_new_tokens`` as ``max_tokens``
 (vLLM's ``get_diff_sampling_param``). ``override_generation_config`` is laid over it,
-with the same names. These become the defaults of a request that does not set them:
+with the same names (any other key is refused by name). These become the defaults of a request that does not set them:
 ``LLM.generate`` without ``sampling_params`` and every server request that leaves a field
 out. A GGUF file carries no generation config; ``"auto"`` finds none there.
 
@@ -51,6 +51,12 @@ def generation_defaults(
         raise ValueError(
             "override_generation_config must be a dict of generation config fields, got "
             f"{type(override_generation_config).__name__}"
+        )
+    unknown = sorted(set(override_generation_config or {}) - set(_SAMPLING_KEYS), key=str)
+    if unknown:  # vLLM drops them unread; a typo here would change nothing, silently
+        raise ValueError(
+            f"override_generation_config: unknown field(s) {unknown}: only "
+            f"{sorted(_SAMPLING_KEYS)} change sampling"
         )
     found: Mapping[str, Any] = {}
     if generation_config == "auto":

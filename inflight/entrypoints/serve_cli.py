@@ -25,6 +25,7 @@ JINJA_CHARS = "{}\n"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from inflight.bench.cli_types import seconds
     from inflight.entrypoints.chat_utils import CONTENT_FORMATS
     from inflight.entrypoints.engine_args import add_engine_args, add_vllm_only_args
 
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_args(parser, model_positional=True)
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--host", type=_host, default="127.0.0.1")
     group.add_argument("--port", type=_port, default=8000, help="0-65535; 0 picks a free one")
     group.add_argument(
         "--api-key",
@@ -89,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=seconds(allow_zero=True),
         default=30.0,
         help="seconds requests in flight may take to finish after SIGTERM/"
         "SIGINT before they are aborted",
@@ -116,7 +117,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument(
         "--request-timeout",
-        type=float,
+        type=seconds(),
         default=None,
         help="seconds a request may take from arrival to its end; past it the request "
         "is aborted and answered 504 (a stream ends with an error event). A request's "
@@ -182,6 +183,20 @@ def load_chat_template(value: str | None) -> str | None:
         return value
 
 
+def _host(text: str) -> str:
+    """A host name or address to bind, checked before the model loads (uvicorn's own
+    error came only after it)."""
+    import socket
+
+    if not text:
+        return text  # uvicorn's "every interface"
+    try:
+        socket.getaddrinfo(text, None)
+    except (socket.gaierror, UnicodeError) as error:
+        raise argparse.ArgumentTypeError(f"cannot resolve {text!r} to an address: {error}") from None
+    return text
+
+
 def _port(text: str) -> int:
     port = int(text)
     if not 0 <= port <= 65535:
@@ -228,8 +243,6 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("--disable-log-requests is deprecated (as in vLLM) and has no effect: "
                        "requests are logged only with --enable-log-requests")
     config = server_config(args)
-    if args.request_timeout is not None and not args.request_timeout > 0:
-        raise SystemExit(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     return run_server(
         start_engine(args, options, use_ray),
         config,

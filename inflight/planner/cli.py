@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from inflight.bench.cli_types import int_at_least, ints_at_least
+from inflight.bench.cli_types import int_at_least, ints_at_least, seconds
 from inflight.bench.workloads import rate_arg
 from inflight.config import BATCHING_MODES, DEFAULT_BLOCK_SIZE, SCHEDULING_POLICIES
 
@@ -167,7 +167,7 @@ def build_simulate_parser(parser: argparse.ArgumentParser) -> None:
     runs.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
                       help="request_rate or an engine option (max_num_seqs, "
                       "max_num_batched_tokens, num_kv_blocks, ...)")
-    runs.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
+    runs.add_argument("--ttft-slo", type=seconds(), default=None, metavar="SECONDS",
                       help="P99 TTFT target: the sweep's knee is where it breaks")
     runs.add_argument("--output-dir", default=None,
                       help=f"results JSON, traces and pictures (default: {DEFAULT_OUTPUT_DIR}/W)")

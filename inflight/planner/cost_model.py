@@ -160,7 +160,16 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+        """A saved fit; ``ValueError`` naming ``path`` when it is not one."""
+        try:
+            row = json.loads(Path(path).read_text(encoding="utf-8"))
+            if not isinstance(row, dict):
+                raise ValueError("it holds no JSON object")
+            return cls.from_json(row)
+        except (ValueError, TypeError) as error:  # JSON, UTF-8 and field errors
+            raise ValueError(
+                f"{path} is not a cost model from 'inflight calibrate': {error}"
+            ) from None
 
     def describe(self) -> str:
         lines = [

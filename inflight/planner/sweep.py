@@ -9,6 +9,7 @@ The knee is the first swept value whose P99 TTFT exceeds the ``--ttft-slo`` targ
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,7 +71,14 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
         raise ValueError(f"--sweep wants KEY=V1,V2,..., got {text!r}")
     if key != RATE_KEY and key not in ENGINE_KEYS:
         raise ValueError(f"cannot sweep {key!r}; use {RATE_KEY} or one of {sorted(ENGINE_KEYS)}")
-    parsed = [float(v) for v in values.split(",") if v.strip()]
+    try:
+        parsed = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep {key} wants numbers, got {values!r}") from None
+    low = 0.0 if key in ENGINE_KEYS else math.ulp(0.0)  # engine options may be 0 (off)
+    if not parsed or not all(math.isfinite(v) and v >= low for v in parsed):
+        kind = "numbers >= 0" if key in ENGINE_KEYS else "positive numbers"
+        raise ValueError(f"--sweep {key} wants finite {kind}, got {values!r}")
     cast = ENGINE_KEYS.get(key, float)
     return key, sorted(cast(v) for v in parsed)
 

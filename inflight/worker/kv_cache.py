@@ -82,7 +82,14 @@ def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     if device.type != "cpu":
         return torch.zeros(numel, dtype=dtype, device=device)
     element = torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, max(numel * element, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    size = max(numel * element, 1)
+    try:
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, OverflowError) as error:  # ENOMEM: more than the machine can map
+        raise ValueError(
+            f"the KV cache needs {size / 2**30:.1f} GiB, more than this machine can allocate "
+            f"({error}); lower num_kv_blocks or kv_cache_memory_bytes"
+        ) from None
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     # frombuffer keeps a reference to the map, which lives as long as the tensor.

@@ -111,6 +111,11 @@ def test_a_bad_workload_line_is_named_by_file_and_line(
         ["calibrate", "--skip-steps", "-1"],
         ["calibrate", "--kv-bytes-per-token", "-5"],
         ["bench", "throughput", "--threads", "-2", "--dry-run"],
+        ["bench", "serve", "--max-concurrency", "0", "--dry-run"],
+        ["simulate", "--ttft-slo", "nan"],
+        ["serve", "--request-timeout", "0"],
+        ["serve", "--shutdown-timeout", "-1"],
+        ["serve", "--host", "999.1.1.1"],
     ],
 )
 def test_bad_numbers_are_usage_errors_naming_the_option(argv: list[str], capsys) -> None:
@@ -123,6 +128,37 @@ def test_bad_numbers_are_usage_errors_naming_the_option(argv: list[str], capsys)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {argv[1]}:" in err or f"argument {argv[2]}:" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "serve", "--dry-run", "--random-token-low", "500", "--random-token-high", "10"],
+         "--random-token-low (500) must be below --random-token-high (10)"),
+        (["simulate", "--workload", "seed8", "--sweep", "max_num_seqs=a,b"],
+         "--sweep max_num_seqs wants numbers"),
+        (["simulate", "--workload", "seed8", "--sweep", "request_rate=0,1"],
+         "--sweep request_rate wants finite positive numbers"),
+    ],
+)
+def test_bad_option_values_found_after_parsing_name_the_option(
+    argv: list[str], message: str, capsys
+) -> None:
+    from inflight.entrypoints.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"inflight: error: {message}" in err and "Traceback" not in err, err
+
+
+def test_a_cost_file_that_is_not_one_is_named(tmp_path: Path) -> None:
+    from inflight.planner.cost_model import load_cost_model
+
+    for text in ('{"a": 1}', "[1]", "not json"):
+        path = tmp_path / "cost.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match="cost.json is not a cost model from 'inflight calibrate'"):
+            load_cost_model(path)
 
 
 @pytest.mark.parametrize("rate", [float("nan"), -1.0, 0.0, float("inf")])

@@ -87,6 +87,9 @@ def test_generation_config_vllm_and_overrides(configured_dir: Path, tmp_path: Pa
         LLM(str(configured_dir), generation_config=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match=r"override_generation_config\) gives bad sampling defaults"):
         LLM(str(configured_dir), override_generation_config={"temperature": -1})
+    # (Unknown keys were dropped in silence, as vLLM drops them: a typo changed nothing.)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['max_tokens'\]"):
+        LLM(str(configured_dir), override_generation_config={"max_tokens": 4})
 
 
 # ------------------------------------------------------------ SamplingParams
