@@ -51,3 +51,14 @@ def seconds(allow_zero: bool = False) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def fraction(text: str) -> float:
+    """The type of a ratio option: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
+    return value

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inflight.bench.cli_types import int_at_least
+from inflight.bench.cli_types import fraction, int_at_least
 from inflight.bench.workloads import rate_arg
 
 # Workload-specific engine defaults, applied only where the user gave no value: the
@@ -75,7 +75,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "--range-ratio",
         "--random-range-ratio",
         dest="range_ratio",
-        type=float,
+        type=fraction,
         default=0.0,
         help="synthetic lengths uniform in len*[1-r, 1+r]",
     )

@@ -22,6 +22,7 @@ from typing import Any
 from inflight.bench.cli_types import int_at_least, ints_at_least, seconds
 from inflight.bench.workloads import rate_arg
 from inflight.config import BATCHING_MODES, DEFAULT_BLOCK_SIZE, SCHEDULING_POLICIES
+from inflight.entrypoints.engine_args import DTYPES
 
 DEFAULT_OUTPUT_DIR = "planner-results"
 
@@ -177,7 +178,7 @@ def build_simulate_parser(parser: argparse.ArgumentParser) -> None:
                        help="replay the workload on the real engine too and report each "
                        "percentile's error (rates: --sweep request_rate=... or --request-rate)")
     check.add_argument("--model", default=None, help="model to validate against (default model)")
-    check.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    check.add_argument("--dtype", default="auto", choices=DTYPES)
     check.add_argument("--device", default="auto")
     check.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads")
     parser.set_defaults(handler=run_simulate)

@@ -116,6 +116,7 @@ def test_a_bad_workload_line_is_named_by_file_and_line(
         ["serve", "--request-timeout", "0"],
         ["serve", "--shutdown-timeout", "-1"],
         ["serve", "--host", "999.1.1.1"],
+        ["bench", "throughput", "--range-ratio", "2", "--dry-run"],
     ],
 )
 def test_bad_numbers_are_usage_errors_naming_the_option(argv: list[str], capsys) -> None:
@@ -127,7 +128,8 @@ def test_bad_numbers_are_usage_errors_naming_the_option(argv: list[str], capsys)
         main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {argv[1]}:" in err or f"argument {argv[2]}:" in err, err
+    option = next(a for a in argv if a.startswith("--"))
+    assert f"argument {option}" in err, err
 
 
 @pytest.mark.parametrize(
