@@ -221,7 +221,7 @@ _ROWS: list[tuple[str, str]] = [
     ("idle slot-steps (held, no work)", "{r.slots.idle_share:.1%}"),
     ("TTFT mean / p99 (s)", "{ttft}"),
     ("TPOT mean / p99 (ms)", "{tpot}"),
-    ("peak RSS (MiB)", "{r.peak_rss_mib:.0f}"),
+    ("peak RSS (MiB)", "{rss}"),
 ]
 
 
@@ -234,7 +234,9 @@ def format_table(reports: Sequence[BenchReport]) -> str:
         for r in reports:
             ttft = f"{r.ttft.mean:.2f} / {r.ttft.p99:.2f}" if r.ttft else "-"
             tpot = f"{r.tpot.mean * 1e3:.1f} / {r.tpot.p99 * 1e3:.1f}" if r.tpot else "-"
-            cells.append(template.format(r=r, ttft=ttft, tpot=tpot))
+            # A simulated run loads nothing: its 0 is "not measured", not a figure.
+            rss = f"{r.peak_rss_mib:.0f}" if r.peak_rss_mib else "-"
+            cells.append(template.format(r=r, ttft=ttft, tpot=tpot, rss=rss))
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [

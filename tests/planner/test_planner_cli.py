@@ -23,6 +23,9 @@ def test_simulate_seed8_compare(tmp_path: Path, capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "simulated static: 850 of 4000 slot-steps did work; 78.8% were held idle" in out
     assert "Serving Benchmark Result" in out and "P99 TTFT (ms)" in out
+    # Nothing was loaded: the memory row says "not measured", not 0 MiB.
+    (rss,) = [line for line in out.splitlines() if line.startswith("peak RSS (MiB)")]
+    assert rss.split()[-2:] == ["-", "-"], rss
     payload = json.loads((tmp_path / "simulation.json").read_text())
     steps = {r["label"]: r["serve"]["num_steps"] for r in payload["runs"]}
     assert steps == {"simulated static": 500, "simulated continuous": 500}
