@@ -62,3 +62,14 @@ def fraction(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
     return value
+
+
+def port(text: str) -> int:
+    """The type of a TCP port option: 0-65535 (0: the OS picks a free one, to listen)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value

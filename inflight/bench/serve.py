@@ -36,7 +36,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from inflight.bench.cli_types import int_at_least
+from inflight.bench.cli_types import int_at_least, port, seconds
 from inflight.bench.serve_report import RequestResult, format_report, summarize
 from inflight.bench.serve_workload import (
     BenchRequest,
@@ -290,11 +290,12 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     target = parser.add_argument_group("target")
     target.add_argument(
         "--base-url",
+        type=_base_url,
         default=None,
         help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)",
     )
     target.add_argument("--host", default="127.0.0.1")
-    target.add_argument("--port", type=int, default=8000)
+    target.add_argument("--port", type=port, default=8000)
     target.add_argument(
         "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
     )
@@ -325,7 +326,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     load.add_argument(
         "--num-prompts",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="the first N workload requests (synthetic default: 100)",
     )
@@ -353,7 +354,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--result-json", default=None, help="write the summary and config here")
     out.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
-    out.add_argument("--request-timeout", type=float, default=3600.0)
+    out.add_argument("--request-timeout", type=seconds(), default=3600.0)
     out.add_argument("--disable-tqdm", action="store_true")
     out.add_argument(
         "--dry-run",
@@ -365,6 +366,16 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
 
 
 _NOT_SAVED = ("itl", "output_token_ids", "prompt")
+
+
+def _base_url(text: str) -> str:
+    """``--base-url``: an http(s) URL with a host."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"must be an http(s) URL such as http://127.0.0.1:8000, got {text!r}")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,30 +52,41 @@ def load_workload(
 
 
 def read_workload_file(path: str, num_prompts: int | None) -> list[BenchRequest]:
+    """A JSONL workload (``bench.workloads.read_jsonl``'s format; a line may give a text
+    ``prompt`` instead of ``prompt_token_ids``); ``ValueError`` naming the file and line."""
+    from inflight.bench.workloads import parse_request
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (a JSONL workload): {error}") from None
     requests = []
-    with open(path) as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
-            prompt = row.get("prompt_token_ids", row.get("prompt"))
-            if prompt is None or "max_tokens" not in row:
-                raise ValueError(
-                    f"{path}:{number}: needs 'prompt_token_ids' (or 'prompt') and 'max_tokens'"
-                )
-            after = row.get("after")
-            requests.append(
-                BenchRequest(
-                    prompt,
-                    int(row["max_tokens"]),
-                    float(row.get("arrival_s", 0.0)),
-                    int(row.get("id", number - 1)),
-                    None if after is None else int(after),
-                    float(row.get("think_s", 0.0)),
-                )
+            prompt: str | list[int] | None = None
+            if isinstance(row, dict) and "prompt_token_ids" not in row and "prompt" in row:
+                prompt = row["prompt"]
+                if not isinstance(prompt, str) or not prompt:
+                    raise ValueError("prompt must be a non-empty string")
+                row = {**row, "prompt_token_ids": [0]}  # the other fields checked alike
+            request = parse_request(row, number)
+        except ValueError as error:  # json's decode errors included
+            raise ValueError(f"{path}:{number}: {error}") from None
+        requests.append(
+            BenchRequest(
+                request.prompt_token_ids if prompt is None else prompt,
+                request.max_tokens,
+                request.arrival_s,
+                request.id,
+                request.after,
+                request.think_s,
             )
-            if num_prompts is not None and len(requests) >= num_prompts:
-                break
+        )
+        if num_prompts is not None and len(requests) >= num_prompts:
+            break
     if not requests:
         raise ValueError(f"{path}: no requests")
     return requests

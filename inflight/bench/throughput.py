@@ -225,6 +225,15 @@ def engine_options_for(args: argparse.Namespace, workload_spec: str | None) -> d
     return options
 
 
+def _check_engine_options(args: argparse.Namespace, options: dict[str, Any]) -> None:
+    """What the engine would refuse at start-up, refused by a dry run too (without
+    loading the model)."""
+    from inflight.config import make_engine_config
+    from inflight.vllm_engine_args import take_vllm_only_args
+
+    make_engine_config(args.model, **take_vllm_only_args(dict(options), args.model))
+
+
 def output_path(args: argparse.Namespace, workload_name: str) -> Path:
     if args.output_json:
         return Path(args.output_json)
@@ -284,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     if args.dry_run:
+        _check_engine_options(args, options)
         print(_dry_run_plan(args, options, path))
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -316,7 +316,7 @@ def read_jsonl(path: str | Path) -> Workload:
         if not line.strip():
             continue
         try:
-            requests.append(_workload_request(json.loads(line), n))
+            requests.append(parse_request(json.loads(line), n))
         except ValueError as error:  # json's decode errors included
             raise ValueError(f"{path}:{n}: {error}") from None
     if not requests:
@@ -325,8 +325,9 @@ def read_jsonl(path: str | Path) -> Workload:
     return Workload(Path(path).stem, requests)
 
 
-def _workload_request(row: Any, n: int) -> WorkloadRequest:
-    """One line's request; ``ValueError`` says which field is wrong."""
+def parse_request(row: Any, n: int) -> WorkloadRequest:
+    """The request on line ``n`` of a workload file; ``ValueError`` says which field is
+    wrong."""
     if not isinstance(row, dict):
         raise ValueError(f"each line must be a JSON object, got {type(row).__name__}")
     if "prompt_token_ids" not in row or "max_tokens" not in row:

@@ -9,6 +9,7 @@ batching keeps finished members' slots that way); unheld slots are empty.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,8 +57,32 @@ class StepRecord:
 
     @classmethod
     def from_json(cls, row: dict) -> StepRecord:
+        """A record written by :meth:`to_json`; ``ValueError`` naming a field of the
+        wrong type or range (a trace feeds pictures and fits, which would fail far from
+        the cause)."""
+        for name in ("start_time", "duration_s"):
+            value = row[name]
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be finite seconds >= 0, got {value!r}")
+        for name in ("step", "num_running", "num_waiting", "kv_blocks_used",
+                     "kv_blocks_total", "num_slots"):
+            _check_count(name, row[name])
         entries = [ScheduledEntry(**e) for e in row["entries"]]
+        for entry in entries:
+            _check_count("entries' slot", entry.slot)
+            _check_count("entries' num_tokens", entry.num_tokens)
+            if entry.kind not in ("prefill", "decode"):
+                raise ValueError(f"entries' kind must be prefill or decode, got {entry.kind!r}")
         return cls(**{**row, "entries": entries})
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_count(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 @dataclass
@@ -82,17 +107,20 @@ class StepTrace:
         """The records of a trace file; ValueError naming the file and line for anything
         else (a workload file, a truncated line)."""
         records = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(StepRecord.from_json(json.loads(line)))
-                except (ValueError, KeyError, TypeError) as error:
-                    raise ValueError(
-                        f"{path}:{number} is not a step trace record (written by --trace or "
-                        f"record_trace=True): {type(error).__name__}: {error}"
-                    ) from None
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path} is not UTF-8 text (a step trace): {error}") from None
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(StepRecord.from_json(json.loads(line)))
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(
+                    f"{path}:{number} is not a step trace record (written by --trace or "
+                    f"record_trace=True): {type(error).__name__}: {error}"
+                ) from None
         return records
 
 

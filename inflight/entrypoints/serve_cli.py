@@ -25,7 +25,7 @@ JINJA_CHARS = "{}\n"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from inflight.bench.cli_types import seconds
+    from inflight.bench.cli_types import port, seconds
     from inflight.entrypoints.chat_utils import CONTENT_FORMATS
     from inflight.entrypoints.engine_args import add_engine_args, add_vllm_only_args
 
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(parser, model_positional=True)
     group = parser.add_argument_group("server")
     group.add_argument("--host", type=_host, default="127.0.0.1")
-    group.add_argument("--port", type=_port, default=8000, help="0-65535; 0 picks a free one")
+    group.add_argument("--port", type=port, default=8000, help="0-65535; 0 picks a free one")
     group.add_argument(
         "--api-key",
         nargs="+",
@@ -195,13 +195,6 @@ def _host(text: str) -> str:
     except (socket.gaierror, UnicodeError) as error:
         raise argparse.ArgumentTypeError(f"cannot resolve {text!r} to an address: {error}") from None
     return text
-
-
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
-    return port
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -80,6 +80,8 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
         kind = "numbers >= 0" if key in ENGINE_KEYS else "positive numbers"
         raise ValueError(f"--sweep {key} wants finite {kind}, got {values!r}")
     cast = ENGINE_KEYS.get(key, float)
+    if cast is int and any(v != int(v) for v in parsed):
+        raise ValueError(f"--sweep {key} wants whole numbers, got {values!r}")
     return key, sorted(cast(v) for v in parsed)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import logging
 import os
 import threading
@@ -136,3 +137,24 @@ def test_plot_names_a_file_that_is_not_a_trace(tmp_path: Path, capsys) -> None:
     workload.write_text('{"id": 0, "prompt_token_ids": [1, 2], "max_tokens": 3}\n')
     assert main(["plot", str(workload), "--out-dir", str(tmp_path)]) == 2
     assert f"{workload}:1 is not a step trace record" in capsys.readouterr().err
+
+
+def test_a_trace_field_of_the_wrong_type_or_range_is_named(tmp_path: Path, capsys) -> None:
+    """(A string duration_s was a TypeError traceback in the plot; NaN and negative times
+    went into pictures and fits.)"""
+    from inflight.engine.step_trace import ScheduledEntry, StepRecord
+
+    good = StepRecord(0, 0.0, 0.01, [ScheduledEntry("r", 0, 4, "prefill")], [], [], 1, 0, 1,
+                      8, 2, []).to_json()
+    trace = tmp_path / "t.jsonl"
+    for field, value, message in (("duration_s", "x", "duration_s must be finite seconds"),
+                                  ("start_time", float("nan"), "start_time must be finite"),
+                                  ("duration_s", -1, "duration_s must be finite"),
+                                  ("num_slots", 1.5, "num_slots must be an integer")):
+        trace.write_text(json.dumps(good) + "\n" + json.dumps({**good, field: value}) + "\n")
+        assert main(["plot", str(trace), "--out-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{trace}:2 is not a step trace record" in err and message in err, err
+    trace.write_bytes(b"\xff\xfe")
+    assert main(["plot", str(trace), "--out-dir", str(tmp_path)]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err

@@ -117,6 +117,10 @@ def test_a_bad_workload_line_is_named_by_file_and_line(
         ["serve", "--shutdown-timeout", "-1"],
         ["serve", "--host", "999.1.1.1"],
         ["bench", "throughput", "--range-ratio", "2", "--dry-run"],
+        ["bench", "serve", "--port", "99999", "--dry-run"],
+        ["bench", "serve", "--num-prompts", "0", "--dry-run"],
+        ["bench", "serve", "--request-timeout", "nan", "--dry-run"],
+        ["bench", "serve", "--base-url", "ftp://x", "--dry-run"],
     ],
 )
 def test_bad_numbers_are_usage_errors_naming_the_option(argv: list[str], capsys) -> None:
@@ -141,6 +145,11 @@ def test_bad_numbers_are_usage_errors_naming_the_option(argv: list[str], capsys)
          "--sweep max_num_seqs wants numbers"),
         (["simulate", "--workload", "seed8", "--sweep", "request_rate=0,1"],
          "--sweep request_rate wants finite positive numbers"),
+        (["simulate", "--workload", "seed8", "--sweep", "max_num_seqs=1.5"],
+         "--sweep max_num_seqs wants whole numbers"),
+        # A dry run refuses what the engine would (it exited 0 with max_num_seqs -1).
+        (["bench", "throughput", "--dry-run", "--workload", "seed8", "--max-num-seqs", "-1"],
+         "max_num_seqs must be >= 1"),
     ],
 )
 def test_bad_option_values_found_after_parsing_name_the_option(
@@ -151,6 +160,28 @@ def test_bad_option_values_found_after_parsing_name_the_option(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"inflight: error: {message}" in err and "Traceback" not in err, err
+
+
+def test_bench_serve_reads_workload_files_as_bench_throughput_does(tmp_path: Path) -> None:
+    """(Its own reader took any field as it came; a binary file named no file.) The same
+    line-by-line checks, with a text ``prompt`` allowed."""
+    from inflight.bench.serve_workload import read_workload_file
+
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "Hello", "max_tokens": 2}\n'
+                    '{"prompt_token_ids": [5, 6], "max_tokens": 3, "arrival_s": 0.5}\n')
+    text, ids = read_workload_file(str(path), None)
+    assert (text.prompt, text.max_tokens) == ("Hello", 2)
+    assert (ids.prompt, ids.max_tokens, ids.arrival_s) == ([5, 6], 3, 0.5)
+    for line, message in (('{"prompt": "", "max_tokens": 2}', "prompt must be"),
+                          ('{"prompt": "Hi", "max_tokens": 2, "arrival_s": NaN}', "arrival_s"),
+                          ("[1]", "JSON object")):
+        path.write_text(line + "\n")
+        with pytest.raises(ValueError, match=f"w.jsonl:1: .*{message}"):
+            read_workload_file(str(path), None)
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="w.jsonl is not UTF-8"):
+        read_workload_file(str(path), None)
 
 
 def test_a_cost_file_that_is_not_one_is_named(tmp_path: Path) -> None:
