@@ -55,15 +55,10 @@ def read_workload_file(path: str, num_prompts: int | None) -> list[BenchRequest]
     """A JSONL workload (``bench.workloads.read_jsonl``'s format; a line may give a text
     ``prompt`` instead of ``prompt_token_ids``); ``ValueError`` naming the file and line."""
     from inflight.bench.workloads import parse_request
+    from inflight.jsonl import numbered_lines
 
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not UTF-8 text (a JSONL workload): {error}") from None
     requests = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, line in numbered_lines(path, "a JSONL workload"):
         try:
             row = json.loads(line)
             prompt: str | list[int] | None = None

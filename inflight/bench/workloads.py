@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from inflight.jsonl import numbered_lines
+
 # The named workloads target SmolLM2 (vocab 49152) and stay clear of its special and
 # byte tokens, exactly as bench/make_workload.py does.
 LOW_ID, HIGH_ID = 1000, 49000
@@ -308,13 +310,7 @@ def read_jsonl(path: str | Path) -> Workload:
     "max_tokens": int}`` plus optional ``id``, ``arrival_s``, ``after`` and ``think_s``
     (finite seconds >= 0). Raises ``ValueError`` naming the file and line of a bad one."""
     requests = []
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not UTF-8 text (a JSONL workload): {error}") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in numbered_lines(path, "a JSONL workload"):
         try:
             requests.append(parse_request(json.loads(line), n))
         except ValueError as error:  # json's decode errors included

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from inflight.jsonl import numbered_lines
+
 if TYPE_CHECKING:
     from inflight.core.interface import RequestUpdate, SchedulerOutput
     from inflight.core.scheduler import Scheduler
@@ -107,13 +109,7 @@ class StepTrace:
         """The records of a trace file; ValueError naming the file and line for anything
         else (a workload file, a truncated line)."""
         records = []
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{path} is not UTF-8 text (a step trace): {error}") from None
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
+        for number, line in numbered_lines(path, "a step trace"):
             try:
                 records.append(StepRecord.from_json(json.loads(line)))
             except (ValueError, KeyError, TypeError) as error:
