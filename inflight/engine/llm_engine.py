@@ -136,9 +136,15 @@ class LLMEngine:
 
         kv_dtype = pick_kv_cache_dtype(config.cache.cache_dtype, self.dtype)
         block_size = config.cache.block_size
+        block_bytes = bytes_per_block(arch, block_size, kv_dtype)
+        if not config.cache.num_kv_blocks and config.cache.kv_cache_memory_bytes < block_bytes:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({config.cache.kv_cache_memory_bytes}) is too small for "
+                f"even one KV block: a block of block_size={block_size} tokens takes "
+                f"{block_bytes} bytes; raise kv_cache_memory_bytes or lower block_size"
+            )
         num_blocks = config.cache.num_kv_blocks or self._default_num_blocks(
-            config.cache.kv_cache_memory_bytes // bytes_per_block(arch, block_size, kv_dtype),
-            max_model_len,
+            config.cache.kv_cache_memory_bytes // block_bytes, max_model_len
         )
         if config.model.quantization == "gguf" and not checkpoint.quantized:
             raise ValueError(

@@ -83,7 +83,11 @@ def make_sim_config(cost: CostModel, **options: Any) -> SimConfig:
         affordable = cache.kv_cache_memory_bytes // (cost.kv_bytes_per_token * cache.block_size)
         useful = scheduler.max_num_seqs * cdiv(scheduler.max_model_len, cache.block_size) + 1
         if affordable < 1:
-            raise ValueError("kv_cache_memory_bytes is too small for even one KV block")
+            raise ValueError(
+                f"kv_cache_memory_bytes ({cache.kv_cache_memory_bytes}) is too small for even "
+                f"one KV block of block_size={cache.block_size} tokens; raise "
+                "kv_cache_memory_bytes or lower block_size"
+            )
         num_blocks = min(affordable, useful)
     return SimConfig(scheduler, num_blocks, cache.block_size, cache.enable_prefix_caching)
 

@@ -121,6 +121,9 @@ def _private_bench_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         (["generate", "w3", "--trace", "/no/such/folder/t.jsonl"], "does not exist"),
         (["generate", "w3", "--device", "xyz"], "device must be"),
         (["bench", "workload", "seed8", "-o", "/"], "Is a directory"),
+        # (Blamed the KV cache size alone, naming no block size.)
+        (["generate", "w3", "--kv-cache-memory-bytes", "1000", "--block-size", "64"],
+         "a block of block_size=64 tokens takes"),
     ],
 )
 def test_bad_paths_and_values_are_one_line_errors(tiny_llama_dir: Path, argv, message, capsys):
