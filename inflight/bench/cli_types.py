@@ -7,21 +7,30 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T", int, float)
+
+
+def _number(convert: Callable[[str], T], ok: Callable[[T], bool], wanted: str) -> Callable[[str], T]:
+    """An argparse type: ``convert(text)`` when it parses and ``ok``; else a usage error
+    "``wanted``, got ...". One shape for every numeric option below."""
+
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text}")
+        return value
+
+    return parse
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """The type of an integer option that must be ``>= low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    return parse
+    return _number(int, lambda v: v >= low, f"must be an integer >= {low}")
 
 
 def ints_at_least(low: int) -> Callable[[str], tuple[int, ...]]:
@@ -39,37 +48,14 @@ def ints_at_least(low: int) -> Callable[[str], tuple[int, ...]]:
 
 def seconds(allow_zero: bool = False) -> Callable[[str], float]:
     """The type of a duration option: finite seconds, ``> 0`` (or ``>= 0``)."""
+    low_ok = (lambda v: v >= 0) if allow_zero else (lambda v: v > 0)
     bound = ">= 0" if allow_zero else "> 0"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be seconds {bound}, got {text!r}") from None
-        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            raise argparse.ArgumentTypeError(f"must be finite seconds {bound}, got {text}")
-        return value
-
-    return parse
+    return _number(float, lambda v: math.isfinite(v) and low_ok(v),
+                   f"must be finite seconds {bound}")
 
 
-def fraction(text: str) -> float:
-    """The type of a ratio option: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
-    return value
+fraction = _number(float, lambda v: 0 <= v < 1, "must be a number in [0, 1)")
+fraction.__doc__ = "The type of a ratio option: a number in [0, 1)."
 
-
-def port(text: str) -> int:
-    """The type of a TCP port option: 0-65535 (0: the OS picks a free one, to listen)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
-    return value
+port = _number(int, lambda v: 0 <= v <= 65535, "a port is 0-65535")
+port.__doc__ = "The type of a TCP port option: 0-65535 (0: the OS picks a free one, to listen)."

@@ -136,15 +136,8 @@ class LLMEngine:
 
         kv_dtype = pick_kv_cache_dtype(config.cache.cache_dtype, self.dtype)
         block_size = config.cache.block_size
-        block_bytes = bytes_per_block(arch, block_size, kv_dtype)
-        if not config.cache.num_kv_blocks and config.cache.kv_cache_memory_bytes < block_bytes:
-            raise ValueError(
-                f"kv_cache_memory_bytes ({config.cache.kv_cache_memory_bytes}) is too small for "
-                f"even one KV block: a block of block_size={block_size} tokens takes "
-                f"{block_bytes} bytes; raise kv_cache_memory_bytes or lower block_size"
-            )
         num_blocks = config.cache.num_kv_blocks or self._default_num_blocks(
-            config.cache.kv_cache_memory_bytes // block_bytes, max_model_len
+            bytes_per_block(arch, block_size, kv_dtype), max_model_len
         )
         if config.model.quantization == "gguf" and not checkpoint.quantized:
             raise ValueError(
@@ -193,12 +186,18 @@ class LLMEngine:
         ``tensor_parallel_size=1`` are accepted at neutral values (:mod:`inflight.vllm_engine_args`)."""
         return cls(make_engine_config(model, **take_vllm_only_args(options, model)))
 
-    def _default_num_blocks(self, affordable: int, max_model_len: int) -> int:
-        """The memory budget's worth of blocks, but no more than the batch can ever use."""
-        cfg = self.config.scheduler
-        useful = cfg.max_num_seqs * cdiv(max_model_len, self.config.cache.block_size) + 1
+    def _default_num_blocks(self, block_bytes: int, max_model_len: int) -> int:
+        """The memory budget's worth of blocks (each ``block_bytes``), but no more than the
+        batch can ever use."""
+        cfg, cache = self.config.scheduler, self.config.cache
+        useful = cfg.max_num_seqs * cdiv(max_model_len, cache.block_size) + 1
+        affordable = cache.kv_cache_memory_bytes // block_bytes
         if affordable < 1:
-            raise ValueError("kv_cache_memory_bytes is too small for even one KV block")
+            raise ValueError(
+                f"kv_cache_memory_bytes ({cache.kv_cache_memory_bytes}) is too small for even "
+                f"one KV block: a block of block_size={cache.block_size} tokens takes "
+                f"{block_bytes} bytes; raise kv_cache_memory_bytes or lower block_size"
+            )
         if affordable > useful:  # say so: the budget is not what is used
             # a warning when the user chose the budget; the default's cap is routine
             chosen = self.config.cache.kv_cache_memory_bytes != DEFAULT_KV_CACHE_MEMORY_BYTES
