@@ -38,8 +38,11 @@ class BeamSearchParams:
     ``temperature`` only adds the sampled token to each step's candidates (scores stay
     raw logprobs); ``length_penalty`` is the exponent of the length in the final ranking
     (1.0: average logprob per token; 0.0: total logprob, favouring short beams);
-    ``include_stop_str_in_output`` keeps a final EOS in the server's text and token ids.
-    Raises :class:`InvalidRequestError` (a ``ValueError``) for a value out of range.
+    ``include_stop_str_in_output`` keeps a final EOS in the server's text and token ids;
+    ``skip_special_tokens`` leaves special tokens (a final EOS among them) out of
+    ``LLM.beam_search``'s texts. vLLM's ``structured_outputs`` and ``watermarking`` are
+    refused when set (not implemented here). Raises :class:`InvalidRequestError` (a
+    ``ValueError``) for a value out of range.
     """
 
     beam_width: int
@@ -48,13 +51,21 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    structured_outputs: Any = None
+    watermarking: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 _fail_beam(name, f"{name} must be a positive integer, got {value!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        if self.structured_outputs is not None:
+            _fail_beam("structured_outputs", "structured_outputs are not supported with beam "
+                       "search; use LLM.generate with SamplingParams(structured_outputs=...)")
+        if self.watermarking:
+            _fail_beam("watermarking", "watermarking is not supported")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail_beam(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("temperature", "length_penalty"):
@@ -94,8 +105,9 @@ def check_beam_search(
         raise InvalidRequestError("The decoder prompt cannot be empty", "prompt")
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(
-            f"The decoder prompt (length {num_prompt_tokens}) leaves no room for a token "
-            f"within the maximum model length of {max_model_len}", "prompt",
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {num_prompt_tokens} input tokens, which leaves no room for an "
+            "output token. Please reduce the length of the input prompt.", "prompt",
         )
 
 

@@ -151,6 +151,20 @@ class Request:
             return self.all_stop_token_ids
         return ()
 
+    @property
+    def eos_can_end_next(self) -> bool:
+        """Whether an EOS sampled next would end the request: EOS not ignored, min_tokens
+        met, and some EOS id not excluded by ``allowed_token_ids``. A finished grammar
+        allows only EOS, so such a request samples it (as vLLM does: its EOS is the last
+        output token); any other ends at the grammar's end (scheduler.update_from_output)."""
+        params = self.sampling_params
+        if not self.eos_token_ids or params.ignore_eos:
+            return False
+        if self.num_output_tokens < params.min_tokens:
+            return False
+        allowed = params.allowed_token_ids
+        return allowed is None or any(eos in allowed for eos in self.eos_token_ids)
+
     def check_stop(self) -> RequestStatus | None:
         """The finished status implied by the last output token, or None to go on.
 

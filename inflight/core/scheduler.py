@@ -101,19 +101,15 @@ class Scheduler:
         if num_prompt == 0:
             raise InvalidRequestError("The decoder prompt cannot be empty", "prompt")
         max_len = self.config.max_model_len
-        if num_prompt > max_len:
-            raise InvalidRequestError(
-                f"The decoder prompt (length {num_prompt}) is longer than the maximum model "
-                f"length of {max_len}. Make sure that `max_model_len` is no smaller than the "
-                "number of text tokens.",
-                "prompt",
+        if num_prompt >= max_len:  # vLLM's words (the OpenAI API's, which clients look for)
+            room = (
+                "which exceeds this limit even without any output tokens" if num_prompt > max_len
+                else "which leaves no room for an output token"
             )
-        if num_prompt == max_len:  # no room left for even one output token
             raise InvalidRequestError(
-                f"The decoder prompt (length {num_prompt}) plus the number of requested output "
-                f"tokens (at least 1) is longer than the maximum model length of {max_len}. "
-                "Make sure that `max_model_len` is no smaller than the number of text tokens "
-                "(prompt + requested output tokens).",
+                f"This model's maximum context length is {max_len} tokens. However, your "
+                f"prompt contains {num_prompt} input tokens, {room}. Please reduce the "
+                "length of the input prompt.",
                 "prompt",
             )
         limit = request.sampling_params.max_tokens
@@ -323,8 +319,13 @@ class Scheduler:
             token = sampled[item.request_id]
             request.append_output_token(token)
             status = request.check_stop()
-            if item.request_id in runner_output.grammar_finished_request_ids:
-                status = RequestStatus.FINISHED_STOPPED  # the output is complete
+            if (
+                status is None
+                and item.request_id in runner_output.grammar_finished_request_ids
+                and not request.eos_can_end_next
+            ):
+                # The output is complete and the EOS the grammar now forces would not end it.
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

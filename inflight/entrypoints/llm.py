@@ -205,7 +205,9 @@ class LLM:
         for instance, _ in searches:
             best = instance.best()
             for beam in best:
-                beam.text = engine.tokenizer.decode(beam.tokens)
+                beam.text = engine.tokenizer.decode(
+                    beam.tokens, skip_special_tokens=params.skip_special_tokens
+                )
             results.append(BeamSearchOutput(sequences=best))
         return results
 

@@ -119,7 +119,7 @@ def test_engine_limits_are_checked_before_any_work() -> None:
     with pytest.raises(InvalidRequestError, match="max_logprobs=20"):
         check_beam_search(params, 5, max_model_len=100, max_logprobs=20)
     params = BeamSearchParams(beam_width=2, max_tokens=4)
-    with pytest.raises(InvalidRequestError, match="maximum model length of 100"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 100 tokens.*contains 100 input tokens"):
         check_beam_search(params, 100, max_model_len=100, max_logprobs=20)
     with pytest.raises(InvalidRequestError, match="empty"):
         check_beam_search(params, 0, max_model_len=100, max_logprobs=20)

@@ -24,7 +24,7 @@ def test_bad_requests_are_rejected_and_others_keep_running() -> None:
 
     with pytest.raises(ValueError, match="empty"):
         scheduler.add_request(Spec("empty", ()).make())
-    with pytest.raises(ValueError, match=r"prompt \(length 33\).*maximum model length of 32"):
+    with pytest.raises(ValueError, match=r"maximum context length is 32 tokens.*contains 33 input tokens"):
         scheduler.add_request(Spec("long", tuple(range(33)), max_tokens=1).make())
     with pytest.raises(ValueError, match=r"KV blocks.*whole cache has 4"):
         # 6 + 20 - 1 = 25 tokens need 7 blocks of 4; the cache has 4.
@@ -219,8 +219,8 @@ def test_generation_is_capped_by_max_model_len(max_tokens: int | None) -> None:
 def test_prompt_of_exactly_max_model_len_is_rejected() -> None:
     # vLLM: no room for even one output token is an error, in its words.
     scheduler = make_scheduler(max_model_len=len(PROMPT))
-    with pytest.raises(ValueError, match=r"prompt \(length 6\) plus the number of requested "
-                       r"output tokens \(at least 1\) is longer than the maximum model length of 6"):
+    with pytest.raises(ValueError, match=r"maximum context length is 6 tokens\. However, your "
+                       r"prompt contains 6 input tokens, which leaves no room for an output"):
         scheduler.add_request(Spec("a", PROMPT, max_tokens=None).make())
     assert not scheduler.requests
 

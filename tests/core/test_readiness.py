@@ -43,16 +43,54 @@ def test_a_request_not_ready_waits_while_the_others_run() -> None:
 
 
 def test_a_complete_grammar_finishes_the_request_with_stop() -> None:
+    """Where an EOS could not end the request (no EOS id, ignore_eos, min_tokens unmet),
+    the grammar's end is the request's end."""
     scheduler = make_scheduler()
     scheduler.add_request(Spec("a", (5, 6, 7), max_tokens=10).make())
     scheduler.add_request(Spec("b", (5, 6, 7), max_tokens=10).make())
+    scheduler.add_request(Spec("c", (5, 6, 7), max_tokens=10, eos=(2,), ignore_eos=True).make())
+    scheduler.add_request(Spec("d", (5, 6, 7), max_tokens=10, eos=(2,), min_tokens=3).make())
     out = scheduler.schedule()
     updates = scheduler.update_from_output(out, ModelRunnerOutput(
-        sampled_token_ids={"a": 11, "b": 12}, grammar_finished_request_ids={"a"},
+        sampled_token_ids={"a": 11, "b": 12, "c": 13, "d": 14},
+        grammar_finished_request_ids={"a", "c", "d"},
     ))
     by_id = {u.request_id: u for u in updates}
-    assert by_id["a"].finished and by_id["a"].finish_reason == "stop"
-    assert by_id["a"].stop_reason is None and by_id["a"].new_token_ids == [11]
+    for request_id in ("a", "c", "d"):
+        assert by_id[request_id].finished and by_id[request_id].finish_reason == "stop"
+        assert by_id[request_id].stop_reason is None
+    assert by_id["a"].new_token_ids == [11]
     assert not by_id["b"].finished
     assert scheduler.requests["b"].status is RequestStatus.RUNNING
     scheduler.check_invariants()
+
+
+def test_a_complete_grammar_goes_on_to_sample_the_eos_it_forces() -> None:
+    """As vLLM: a finished grammar allows only EOS, which the next step samples and which
+    ends the request as any EOS does (the last output token, counted in the usage)."""
+    scheduler = make_scheduler()
+    request = Spec("a", (5, 6, 7), max_tokens=10, eos=(2,)).make()
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    update, = scheduler.update_from_output(out, ModelRunnerOutput(
+        sampled_token_ids={"a": 11}, grammar_finished_request_ids={"a"},
+    ))
+    assert not update.finished
+    out = scheduler.schedule()
+    update, = scheduler.update_from_output(out, ModelRunnerOutput(
+        sampled_token_ids={"a": 2}, grammar_finished_request_ids={"a"},
+    ))
+    assert update.finished and update.finish_reason == "stop" and update.stop_reason is None
+    assert request.output_token_ids == [11, 2]
+    scheduler.check_invariants()
+
+
+def test_a_grammar_complete_at_max_tokens_ends_with_length() -> None:
+    """The EOS is not sampled yet when max_tokens runs out: "length", as in vLLM."""
+    scheduler = make_scheduler()
+    scheduler.add_request(Spec("a", (5, 6, 7), max_tokens=1, eos=(2,)).make())
+    out = scheduler.schedule()
+    update, = scheduler.update_from_output(out, ModelRunnerOutput(
+        sampled_token_ids={"a": 11}, grammar_finished_request_ids={"a"},
+    ))
+    assert update.finished and update.finish_reason == "length"

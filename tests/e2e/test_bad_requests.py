@@ -83,7 +83,7 @@ def test_generate_rejects_whole_call_without_running_any(llm, expected):
         ([5, 6], SamplingParams(max_tokens=4, logprobs=30), "max allowed: 20"),
         ([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[10**6]), "allowed_token_ids"),
         ([5, 6], SamplingParams(max_tokens=4, logit_bias={10**6: 1.0}), "logit_bias"),
-        ([5] * 200, GREEDY, "maximum model length of 128"),
+        ([5] * 200, GREEDY, "maximum context length is 128 tokens"),
     ],
     ids=["logprobs over max_logprobs", "allowed id out of vocabulary",
          "bias id out of vocabulary", "prompt over max_model_len"],

@@ -75,7 +75,8 @@ def test_beam_search_matches_reference(llm, prompts, references, schedule):
             assert seq.tokens[: len(prompt)] == prompt
             assert seq.cum_logprob == pytest.approx(ref.cum_logprob, abs=2e-3)
             assert seq.finish_reason == ("stop" if ref.finished_by_eos else "length")
-            assert seq.text == tokenizer.decode(seq.tokens)  # prompt included, as in vLLM
+            # prompt included and special tokens (a final EOS) left out, as in vLLM
+            assert seq.text == tokenizer.decode(seq.tokens, skip_special_tokens=True)
             assert len(seq.logprobs) == len(seq.tokens) - len(prompt)
     kv = engine.llm_engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks or engine.llm_engine.config.cache.enable_prefix_caching
@@ -103,6 +104,33 @@ def test_text_prompts_and_concurrency_limit_give_the_same_beams(llm):
         [s.tokens for s in o.sequences] for o in one_at_a_time
     ]
     assert together[0].sequences[0].text.startswith("The quick brown fox")
+
+
+def test_skip_special_tokens_false_keeps_the_final_eos_in_the_text(llm, prompts):
+    """vLLM's BeamSearchParams.skip_special_tokens (default True) decides the texts."""
+    chat = [{"prompt_token_ids": prompts[0]}]
+    eos_text = llm.get_tokenizer().decode(llm.llm_engine.eos_token_ids[:1])
+    plain = llm.beam_search(chat, BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=MAX_TOKENS))
+    kept = llm.beam_search(chat, BeamSearchParams(
+        beam_width=BEAM_WIDTH, max_tokens=MAX_TOKENS, skip_special_tokens=False,
+    ))
+    stopped = [s for s in plain[0].sequences if s.finish_reason == "stop"]
+    assert stopped, "the chat prompt's best beams reach EOS"
+    for seq in stopped:
+        assert not seq.text.endswith(eos_text) and "<|im_start|>" not in seq.text
+    for seq in kept[0].sequences:
+        assert seq.text == llm.get_tokenizer().decode(seq.tokens)
+        assert seq.text.endswith(eos_text) == (seq.finish_reason == "stop")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("structured_outputs", {"choice": ["a", "b"]}), ("watermarking", True),
+     ("skip_special_tokens", "yes")],
+)
+def test_vllm_fields_not_implemented_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        BeamSearchParams(beam_width=2, max_tokens=2, **{field: value})
 
 
 @pytest.mark.parametrize(

@@ -220,12 +220,13 @@ def test_max_tokens_past_the_context_ends_with_length_at_the_context(short_llm: 
 
 
 def test_a_prompt_filling_the_context_is_rejected_in_vllms_words(short_llm: LLM) -> None:
-    with pytest.raises(ValueError, match=r"^The decoder prompt \(length 32\) plus the number of "
-                       r"requested output tokens \(at least 1\) is longer than the maximum "
-                       r"model length of 32"):
+    with pytest.raises(ValueError, match=r"^This model's maximum context length is 32 tokens\. "
+                       r"However, your prompt contains 32 input tokens, which leaves no room "
+                       r"for an output token"):
         generate(short_llm, greedy(), {"prompt_token_ids": list(range(3, 35))})
-    with pytest.raises(ValueError, match=r"^The decoder prompt \(length 33\) is longer than "
-                       r"the maximum model length of 32"):
+    with pytest.raises(ValueError, match=r"^This model's maximum context length is 32 tokens\. "
+                       r"However, your prompt contains 33 input tokens, which exceeds this "
+                       r"limit even without any output tokens"):
         generate(short_llm, greedy(), {"prompt_token_ids": list(range(3, 36))})
 
 

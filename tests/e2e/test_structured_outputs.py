@@ -117,6 +117,20 @@ def test_choice_outputs_are_one_of_the_choices(batch) -> None:
             assert out.text in choice and out.finish_reason == "stop", out.text
 
 
+def test_a_complete_answer_ends_with_the_eos_it_forces(llm, batch) -> None:
+    """As vLLM: once the grammar is complete only EOS may follow, and the engine samples
+    it, so a choice's tokens are its text's plus EOS (vLLM 0.32 on the same checkpoint:
+    "yes" -> [10407, 2]); the EOS's text stays out of the answer."""
+    eos = set(llm.llm_engine.eos_token_ids)
+    tokenizer = llm.get_tokenizer()
+    for name in CHOICES:
+        for suffix in ("", "-sampled"):
+            out = batch[f"choice-{name}{suffix}"]
+            assert out.finish_reason == "stop" and out.stop_reason is None
+            assert out.token_ids[-1] in eos, out.token_ids
+            assert tokenizer.decode(out.token_ids[:-1]) == out.text
+
+
 def test_json_object_output_parses(batch) -> None:
     out = batch["json-object"]
     assert out.finish_reason == "stop"
