@@ -109,7 +109,8 @@ class Scheduler:
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, your "
                 f"prompt contains {num_prompt} input tokens, {room}. Please reduce the "
-                "length of the input prompt.",
+                "length of the input prompt (or raise the engine's max_model_len, where the "
+                "model allows it).",
                 "prompt",
             )
         limit = request.sampling_params.max_tokens
