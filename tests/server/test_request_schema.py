@@ -1,9 +1,9 @@
 """Every field of OpenAI's and vLLM's request schemas is implemented or refused by name.
 
 OpenAI's fields come from the installed ``openai`` package's request TypedDicts; vLLM's
-are written down below from vLLM's protocol at commit
-002032ee2b18e1f7bd924ec47b62504ba3866063 (``vllm/entrypoints/openai/completion/protocol.py``
-``CompletionRequest`` and ``chat_completion/protocol.py`` ``ChatCompletionRequest``).
+are written down below from vLLM 0.32.0's protocol
+(``vllm/entrypoints/openai/completion/protocol.py`` ``CompletionRequest`` and
+``chat_completion/protocol.py`` ``ChatCompletionRequest``).
 Each field must have a row in ``request_fields.py``; then the server must answer 200 for
 an implemented field, and for a refused one a 400 naming it when set (while its neutral
 value still gets a 200).
@@ -39,8 +39,8 @@ _VLLM_SHARED = """
     truncate_prompt_tokens truncation_side allowed_token_ids prompt_logprobs
     logprob_token_ids bad_words add_special_tokens structured_outputs priority request_id
     session_id return_tokens_as_token_ids return_token_ids routed_experts_prompt_start
-    return_token_offsets return_mm_kwargs cache_salt kv_transfer_params ec_transfer_params
-    vllm_xargs repetition_detection stream_interval
+    return_token_offsets return_mm_kwargs mm_payload cache_salt kv_transfer_params
+    ec_transfer_params vllm_xargs repetition_detection stream_interval
 """.split()
 VLLM_COMPLETION_FIELDS = (
     _VLLM_SHARED
@@ -101,6 +101,7 @@ IMPLEMENTED_SHARED: dict[str, dict[str, Any]] = {
     "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
     "return_token_offsets": {"return_token_offsets": True},
     "return_mm_kwargs": {"return_mm_kwargs": False},
+    "mm_payload": {"mm_payload": "none"},
     "cache_salt": {"cache_salt": "salt"},
     "request_timeout": {"request_timeout": 600.0},  # inflight's extension
     "n": {"n": 2},
@@ -321,3 +322,15 @@ def test_chat_echo_and_continue_are_not_ignored(tiny_server: ServerProcess) -> N
     response = _post(tiny_server, "/v1/chat/completions", both)
     assert response.status_code == 400
     assert "continue_final_message" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_render_only_fields_are_typed_and_nullable(
+    tiny_server: ServerProcess, endpoint: str
+) -> None:
+    """vLLM 0.32's mm_payload is a literal (not ignored when mistyped); its deprecated alias
+    return_mm_kwargs may be null, as in vLLM."""
+    path, base, _, _, _ = ENDPOINTS[endpoint]
+    response = _post(tiny_server, path, base | {"mm_payload": 5})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "mm_payload"
+    _assert_ok(_post(tiny_server, path, base | {"return_mm_kwargs": None}), False)

@@ -7,12 +7,11 @@ null`` or ``"presence_penalty": 0`` still work). A field in neither schema is ig
 with a warning naming it, as vLLM does (:func:`log_unknown_fields`; OpenAI's own API
 answers 400, but clients written for other servers send their own extras).
 
-The field lists follow OpenAI's ``openai`` package (3.57) and vLLM's protocol at commit
-002032ee2b18e1f7bd924ec47b62504ba3866063 (``vllm/entrypoints/openai/completion/protocol.py``
-and ``chat_completion/protocol.py``), and for ``/v1/responses`` its ``ResponsesRequest`` at
-commit 010a69cea9ac46d2953fa673c3b814f922d1b194 (``responses/protocol.py``);
-``tests/server/test_request_schema.py`` and ``test_responses.py`` check that every one of
-them has a row here and behaves as its row says.
+The field lists follow OpenAI's ``openai`` package (3.57) and vLLM 0.32.0's protocol
+(``vllm/entrypoints/openai/completion/protocol.py``, ``chat_completion/protocol.py``,
+``responses/protocol.py`` and ``vllm/entrypoints/serve/tokenize/protocol.py``);
+``tests/server/test_request_schema.py``, ``test_responses.py`` and ``test_tokenize.py``
+check that every one of them has a row here and behaves as its row says.
 """
 
 from __future__ import annotations
@@ -123,6 +122,7 @@ _SHARED: dict[str, Treatment] = {
         "accepted: vLLM reads it on its render endpoints only, as here"
     ),
     "return_mm_kwargs": Implemented("accepted: vLLM reads it on its render endpoints only"),
+    "mm_payload": Implemented("accepted: vLLM reads it on its render endpoints only"),
     "cache_salt": Implemented(
         "mixed into the prefix-cache hash: only requests with the same salt share cached blocks"
     ),
