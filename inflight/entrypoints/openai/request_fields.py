@@ -214,7 +214,13 @@ RESPONSES_FIELDS: dict[str, Treatment] = {
         "model", "temperature", "top_p", "stream", "user", "top_k", "repetition_penalty",
         "seed", "stop", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
         "logit_bias", "priority", "cache_salt", "structured_outputs", "request_timeout",
+        "min_p", "presence_penalty", "frequency_penalty", "stop_token_ids", "session_id",
+        "watermarking", "kv_transfer_params", "ec_transfer_params", "return_mm_kwargs",
+        "mm_payload",
     )
+} | {
+    name: CHAT_FIELDS[name]
+    for name in ("chat_template_kwargs", "include_reasoning", "media_io_kwargs")
 } | {
     "input": Implemented(
         "a string (one user message) or a list of messages, function_call and "
