@@ -534,6 +534,13 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama_dir: Path) -> None:
         server.stop()
 
 
+def test_stream_options_are_typed(tiny_server: ServerProcess) -> None:
+    body = BASE | {"stream": True, "stream_options": {"include_obfuscation": "yes"}}
+    response = _post(tiny_server, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "stream_options"
+
+
 # ---------------------------------------------------------------- fixed deltas, no model
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

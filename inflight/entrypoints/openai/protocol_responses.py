@@ -33,6 +33,12 @@ def random_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
+class ResponsesStreamOptions(_Request):
+    """OpenAI's ``stream_options`` for responses: its one field, typed (no padding is sent)."""
+
+    include_obfuscation: bool | None = None
+
+
 class ResponsesRequest(_Request):
     # OpenAI's ResponseCreateParams
     model: str | None = None
@@ -42,7 +48,7 @@ class ResponsesRequest(_Request):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stream: bool | None = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: ResponsesStreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
