@@ -182,12 +182,12 @@ REFUSED_COMPLETION = REFUSED_SHARED | {
 REFUSED_CHAT = REFUSED_SHARED | {
     "functions": ([{"name": "f"}], None),
     "function_call": ({"name": "f"}, "none"),
-    "reasoning_effort": ("low", None),
+    "reasoning_effort": ("low", "none"),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
     "modalities": (["text", "audio"], ["text"]),
     "prediction": ({"type": "content", "content": "w3"}, None),
-    "web_search_options": ({"search_context_size": "low"}, None),
-    "verbosity": ("low", None),
+    "web_search_options": ({}, None),  # {} turns OpenAI's web search on
+    "verbosity": ("low", "medium"),
     "moderation": ({"model": "omni-moderation-latest"}, None),
     "media_io_kwargs": ({"image": {"mode": "RGB"}}, None),
     "mm_processor_kwargs": ({"size": 1}, None),

@@ -165,13 +165,14 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
     "parallel_tool_calls": Implemented("false: at most one call (auto keeps the first; required's grammar allows one)"),
     "functions": Refused(_DEPRECATED_FUNCTIONS),
     "function_call": Refused(_DEPRECATED_FUNCTIONS, equals("none", "auto")),
-    "reasoning_effort": Refused(_NO_REASONING),
+    "reasoning_effort": Refused(_NO_REASONING, equals("none")),  # "none": what it does anyway
     "include_reasoning": Implemented("accepted: no reasoning is separated from the answer"),
     "audio": Refused(_TEXT_ONLY),
     "modalities": Refused(_TEXT_ONLY, _text_modalities),
     "prediction": Refused(f"predicted outputs are {_LATER}"),
-    "web_search_options": Refused("this server has no web search"),
-    "verbosity": Refused("this model has no verbosity setting"),
+    # Only null is neutral: an empty object turns OpenAI's web search on.
+    "web_search_options": Refused("this server has no web search", equals()),
+    "verbosity": Refused("this model has no verbosity setting", equals("medium")),  # the default
     "moderation": Refused("this server has no moderation"),
     "metadata": Implemented(
         "accepted: tags for stored completions, which this server keeps none of"
