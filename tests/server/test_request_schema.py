@@ -334,3 +334,19 @@ def test_render_only_fields_are_typed_and_nullable(
     response = _post(tiny_server, path, base | {"mm_payload": 5})
     assert response.status_code == 400 and response.json()["error"]["param"] == "mm_payload"
     _assert_ok(_post(tiny_server, path, base | {"return_mm_kwargs": None}), False)
+
+
+def test_chat_echo_answers_the_prompt_logprobs(tiny_server: ServerProcess) -> None:
+    """vLLM's chat: echo asks for the prompt's logprobs (top_logprobs of them) and answers
+    them in prompt_logprobs, as an explicit prompt_logprobs would."""
+    body = CHAT | {"echo": True}
+    echoed = _post(tiny_server, "/v1/chat/completions", body).json()
+    explicit = _post(tiny_server, "/v1/chat/completions", CHAT | {"prompt_logprobs": 0}).json()
+    assert echoed["prompt_logprobs"] == explicit["prompt_logprobs"]
+    prompt_logprobs = echoed["prompt_logprobs"]
+    assert prompt_logprobs[0] is None
+    assert len(prompt_logprobs) == echoed["usage"]["prompt_tokens"]
+    top = _post(tiny_server, "/v1/chat/completions",
+                body | {"logprobs": True, "top_logprobs": 2}).json()["prompt_logprobs"]
+    assert all(len(position) >= 2 for position in top[1:]), top
+    assert _post(tiny_server, "/v1/chat/completions", CHAT).json()["prompt_logprobs"] is None
