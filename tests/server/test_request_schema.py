@@ -307,6 +307,19 @@ def test_unknown_fields_are_named_in_a_warning(
     assert any("bar_baz" in m and "foo" in m and "ignored" in m for m in warnings), warnings
 
 
+def test_unknown_fields_inside_stream_options_are_named_in_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A typo there (include_usuage) would otherwise go unnoticed: no usage chunk, no word."""
+    body = {"model": "m", "prompt": "hi", "stream": True,
+            "stream_options": {"include_usuage": True}}
+    request = CompletionRequest.model_validate(body)
+    with caplog.at_level(logging.WARNING, logger="inflight.entrypoints.openai.request_fields"):
+        log_unknown_fields(request, "/v1/test")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("stream_options.include_usuage" in m for m in warnings), warnings
+
+
 def test_chat_echo_and_continue_are_not_ignored(tiny_server: ServerProcess) -> None:
     """The two fields the issue found silently ignored change the answer."""
     messages = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4 w5"}]

@@ -322,9 +322,22 @@ def refuse_legacy_guided_fields(request: BaseModel) -> None:
 
 
 def log_unknown_fields(request: BaseModel, endpoint: str) -> None:
-    """Fields in neither schema are ignored, as vLLM does: say which, at warning level."""
-    if request.model_extra:
+    """Fields in neither schema are ignored, as vLLM does: say which, at warning level
+    (also inside an object field such as ``stream_options.include_usuage``)."""
+    unknown = sorted(unknown_fields(request))
+    if unknown:
         logger.warning(
             "%s: the following fields were present in the request but ignored: %s",
-            endpoint, sorted(request.model_extra),
+            endpoint, unknown,
         )
+
+
+def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
+    """The request's fields in neither schema, and those of its object-valued fields (not of
+    messages: their extra keys go to the chat template)."""
+    names = [prefix + name for name in request.model_extra or {}]
+    for name in request.model_fields_set:
+        value = getattr(request, name)
+        if isinstance(value, BaseModel):
+            names += unknown_fields(value, f"{prefix}{name}.")
+    return names
