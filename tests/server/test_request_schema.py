@@ -1,9 +1,9 @@
 """Every field of OpenAI's and vLLM's request schemas is implemented or refused by name.
 
 OpenAI's fields come from the installed ``openai`` package's request TypedDicts; vLLM's
-are written down below from vLLM's protocol at commit
-002032ee2b18e1f7bd924ec47b62504ba3866063 (``vllm/entrypoints/openai/completion/protocol.py``
-``CompletionRequest`` and ``chat_completion/protocol.py`` ``ChatCompletionRequest``).
+are written down below from vLLM 0.32.0's protocol
+(``vllm/entrypoints/openai/completion/protocol.py`` ``CompletionRequest`` and
+``chat_completion/protocol.py`` ``ChatCompletionRequest``).
 Each field must have a row in ``request_fields.py``; then the server must answer 200 for
 an implemented field, and for a refused one a 400 naming it when set (while its neutral
 value still gets a 200).
@@ -39,8 +39,8 @@ _VLLM_SHARED = """
     truncate_prompt_tokens truncation_side allowed_token_ids prompt_logprobs
     logprob_token_ids bad_words add_special_tokens structured_outputs priority request_id
     session_id return_tokens_as_token_ids return_token_ids routed_experts_prompt_start
-    return_token_offsets return_mm_kwargs cache_salt kv_transfer_params ec_transfer_params
-    vllm_xargs repetition_detection stream_interval
+    return_token_offsets return_mm_kwargs mm_payload cache_salt kv_transfer_params
+    ec_transfer_params vllm_xargs repetition_detection stream_interval
 """.split()
 VLLM_COMPLETION_FIELDS = (
     _VLLM_SHARED
@@ -101,6 +101,7 @@ IMPLEMENTED_SHARED: dict[str, dict[str, Any]] = {
     "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
     "return_token_offsets": {"return_token_offsets": True},
     "return_mm_kwargs": {"return_mm_kwargs": False},
+    "mm_payload": {"mm_payload": "none"},
     "cache_salt": {"cache_salt": "salt"},
     "request_timeout": {"request_timeout": 600.0},  # inflight's extension
     "n": {"n": 2},
@@ -181,12 +182,12 @@ REFUSED_COMPLETION = REFUSED_SHARED | {
 REFUSED_CHAT = REFUSED_SHARED | {
     "functions": ([{"name": "f"}], None),
     "function_call": ({"name": "f"}, "none"),
-    "reasoning_effort": ("low", None),
+    "reasoning_effort": ("low", "none"),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
     "modalities": (["text", "audio"], ["text"]),
     "prediction": ({"type": "content", "content": "w3"}, None),
-    "web_search_options": ({"search_context_size": "low"}, None),
-    "verbosity": ("low", None),
+    "web_search_options": ({}, None),  # {} turns OpenAI's web search on
+    "verbosity": ("low", "medium"),
     "moderation": ({"model": "omni-moderation-latest"}, None),
     "media_io_kwargs": ({"image": {"mode": "RGB"}}, None),
     "mm_processor_kwargs": ({"size": 1}, None),
@@ -306,6 +307,19 @@ def test_unknown_fields_are_named_in_a_warning(
     assert any("bar_baz" in m and "foo" in m and "ignored" in m for m in warnings), warnings
 
 
+def test_unknown_fields_inside_stream_options_are_named_in_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A typo there (include_usuage) would otherwise go unnoticed: no usage chunk, no word."""
+    body = {"model": "m", "prompt": "hi", "stream": True,
+            "stream_options": {"include_usuage": True}}
+    request = CompletionRequest.model_validate(body)
+    with caplog.at_level(logging.WARNING, logger="inflight.entrypoints.openai.request_fields"):
+        log_unknown_fields(request, "/v1/test")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("stream_options.include_usuage" in m for m in warnings), warnings
+
+
 def test_chat_echo_and_continue_are_not_ignored(tiny_server: ServerProcess) -> None:
     """The two fields the issue found silently ignored change the answer."""
     messages = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4 w5"}]
@@ -321,3 +335,31 @@ def test_chat_echo_and_continue_are_not_ignored(tiny_server: ServerProcess) -> N
     response = _post(tiny_server, "/v1/chat/completions", both)
     assert response.status_code == 400
     assert "continue_final_message" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_render_only_fields_are_typed_and_nullable(
+    tiny_server: ServerProcess, endpoint: str
+) -> None:
+    """vLLM 0.32's mm_payload is a literal (not ignored when mistyped); its deprecated alias
+    return_mm_kwargs may be null, as in vLLM."""
+    path, base, _, _, _ = ENDPOINTS[endpoint]
+    response = _post(tiny_server, path, base | {"mm_payload": 5})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "mm_payload"
+    _assert_ok(_post(tiny_server, path, base | {"return_mm_kwargs": None}), False)
+
+
+def test_chat_echo_answers_the_prompt_logprobs(tiny_server: ServerProcess) -> None:
+    """vLLM's chat: echo asks for the prompt's logprobs (top_logprobs of them) and answers
+    them in prompt_logprobs, as an explicit prompt_logprobs would."""
+    body = CHAT | {"echo": True}
+    echoed = _post(tiny_server, "/v1/chat/completions", body).json()
+    explicit = _post(tiny_server, "/v1/chat/completions", CHAT | {"prompt_logprobs": 0}).json()
+    assert echoed["prompt_logprobs"] == explicit["prompt_logprobs"]
+    prompt_logprobs = echoed["prompt_logprobs"]
+    assert prompt_logprobs[0] is None
+    assert len(prompt_logprobs) == echoed["usage"]["prompt_tokens"]
+    top = _post(tiny_server, "/v1/chat/completions",
+                body | {"logprobs": True, "top_logprobs": 2}).json()["prompt_logprobs"]
+    assert all(len(position) >= 2 for position in top[1:]), top
+    assert _post(tiny_server, "/v1/chat/completions", CHAT).json()["prompt_logprobs"] is None

@@ -6,9 +6,9 @@ Most checks run on the shared tiny server; the chat template's real rendering,
 ``text.format`` grammars and required/named tool choices run on the default model
 (llguidance cannot read the tiny model's word-level tokenizer). The field table is
 checked against OpenAI's ``ResponseCreateParams`` (installed ``openai`` package) and
-vLLM's ``ResponsesRequest`` at commit 010a69cea9ac46d2953fa673c3b814f922d1b194
-(``vllm/entrypoints/openai/responses/protocol.py``). Streaming with tool calls and a
-failing engine are checked on fixed deltas, without a model.
+vLLM 0.32.0's ``ResponsesRequest`` (``vllm/entrypoints/openai/responses/protocol.py``).
+Streaming with tool calls and a failing engine are checked on fixed deltas, without a
+model.
 """
 
 from __future__ import annotations
@@ -377,13 +377,17 @@ def test_api_key_is_required(tiny_server: ServerProcess) -> None:
 
 # ---------------------------------------------------------------- the field table
 
+# vLLM 0.32.0's; earlier versions also had previous_response (still refused by name).
 VLLM_RESPONSES_FIELDS = """
     background include input instructions max_output_tokens max_tool_calls metadata model
-    logit_bias parallel_tool_calls previous_response_id prompt reasoning service_tier store
-    stream temperature text tool_choice tools top_logprobs top_p top_k truncation user
-    skip_special_tokens include_stop_str_in_output prompt_cache_key request_id
-    mm_processor_kwargs priority cache_salt enable_response_messages previous_input_messages
-    previous_response structured_outputs repetition_penalty seed stop ignore_eos vllm_xargs
+    logit_bias parallel_tool_calls previous_response_id prompt reasoning include_reasoning
+    service_tier store stream temperature text tool_choice tools top_logprobs top_p top_k
+    min_p truncation user skip_special_tokens include_stop_str_in_output presence_penalty
+    frequency_penalty prompt_cache_key watermarking request_id session_id media_io_kwargs
+    mm_processor_kwargs priority mm_payload return_mm_kwargs cache_salt
+    enable_response_messages previous_input_messages structured_outputs repetition_penalty
+    seed stop stop_token_ids ignore_eos vllm_xargs kv_transfer_params ec_transfer_params
+    chat_template_kwargs
 """.split()
 OPENAI_RESPONSES_FIELDS = set(response_create_params.ResponseCreateParamsBase.__annotations__)
 OPENAI_RESPONSES_FIELDS |= set(response_create_params.ResponseCreateParamsStreaming.__annotations__)
@@ -426,6 +430,15 @@ IMPLEMENTED: dict[str, dict[str, Any]] = {
     "priority": {"priority": 0},
     "cache_salt": {"cache_salt": "salt"},
     "request_timeout": {"request_timeout": 600.0},  # inflight's extension
+    "min_p": {"min_p": 0.1},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "frequency_penalty": {"frequency_penalty": 0.5},
+    "stop_token_ids": {"stop_token_ids": [9]},
+    "session_id": {"session_id": "session-1"},
+    "include_reasoning": {"include_reasoning": False},
+    "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
+    "mm_payload": {"mm_payload": "none"},
+    "return_mm_kwargs": {"return_mm_kwargs": False},
 }
 DEFAULT_MODEL_ONLY = {"structured_outputs"}  # a grammar: test_structured_outputs_extra
 # Refused fields: (a value that must be refused, the neutral value that must still work).
@@ -446,6 +459,10 @@ REFUSED: dict[str, tuple[Any, Any]] = {
     "previous_input_messages": ([{"role": "user", "content": "w3"}], None),
     "previous_response": ({"id": "resp_1"}, None),
     "vllm_xargs": ({"x": 1}, None),
+    "watermarking": (True, False),
+    "kv_transfer_params": ({"do_remote_decode": True}, None),
+    "ec_transfer_params": ({"x": 1}, None),
+    "media_io_kwargs": ({"image": {"mode": "RGB"}}, None),
 }
 BASE: dict[str, Any] = {"model": TINY, "input": "w3 w4", "max_output_tokens": 2, "temperature": 0}
 
@@ -483,6 +500,45 @@ def test_refused_fields_are_named_unless_neutral(tiny_server: ServerProcess) -> 
         assert error["param"] == name, error
         assert error["code"] == "unsupported_parameter" and name in error["message"], error
         _assert_ok(_post(tiny_server, BASE | {name: neutral}), False)
+
+
+def test_vllm_sampling_extras_equal_chat(client: openai.OpenAI) -> None:
+    """vLLM's min_p, penalties and stop_token_ids act as on chat (not ignored)."""
+    extras: dict[str, Any] = {
+        "ignore_eos": True, "presence_penalty": 2.0, "frequency_penalty": 2.0, "min_p": 0.5,
+    }
+    plain = _responses(client, input="w3 w4", max_output_tokens=8)
+    penalised = _responses(client, input="w3 w4", max_output_tokens=8, extra_body=extras)
+    chat = _chat(client, [{"role": "user", "content": "w3 w4"}], 8, extra_body=extras)
+    _assert_same_answer(penalised, chat)
+    assert penalised.output_text != plain.output_text
+    words = penalised.output_text.split()
+    stop = {"stop_token_ids": [int(words[2][1:])]}  # the tiny vocabulary: "w<i>" is token i
+    stopped = _responses(client, input="w3 w4", max_output_tokens=8, extra_body=extras | stop)
+    assert stopped.output_text.split() == words[:2] and stopped.status == "completed"
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_llama_dir: Path) -> None:
+    """vLLM's chat_template_kwargs render as on chat (not ignored)."""
+    template = "{{ greeting }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
+    server = InProcessServer(tiny_llama_dir, chat_template=template).start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        kwargs = {"chat_template_kwargs": {"greeting": "w9 w8"}}
+        greeted = _responses(client, input="w3 w4", max_output_tokens=3, extra_body=kwargs)
+        plain = _responses(client, input="w3 w4", max_output_tokens=3)
+        assert greeted.usage.input_tokens == plain.usage.input_tokens + 2
+        chat = _chat(client, [{"role": "user", "content": "w3 w4"}], 3, extra_body=kwargs)
+        _assert_same_answer(greeted, chat)
+    finally:
+        server.stop()
+
+
+def test_stream_options_are_typed(tiny_server: ServerProcess) -> None:
+    body = BASE | {"stream": True, "stream_options": {"include_obfuscation": "yes"}}
+    response = _post(tiny_server, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "stream_options"
 
 
 # ---------------------------------------------------------------- fixed deltas, no model

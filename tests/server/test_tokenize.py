@@ -89,3 +89,48 @@ def test_refused_and_model(tiny_server: ServerProcess) -> None:
     assert response.json()["error"]["param"] == "mm_processor_kwargs"
     assert tokenize(tiny_server, prompt="w3", model="").status_code == 200
     assert tokenize(tiny_server, prompt="w3", model="nope").status_code == 404
+
+
+# vLLM 0.32.0's TokenizeCompletionRequest and TokenizeChatRequest, and DetokenizeRequest
+# (vllm/entrypoints/serve/tokenize/protocol.py).
+VLLM_TOKENIZE_FIELDS = """
+    model prompt add_special_tokens return_token_strs messages add_generation_prompt
+    continue_final_message chat_template chat_template_kwargs media_io_kwargs
+    mm_processor_kwargs tools
+""".split()
+VLLM_DETOKENIZE_FIELDS = ["model", "tokens"]
+
+
+def test_every_vllm_field_is_declared() -> None:
+    from inflight.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+    from inflight.entrypoints.openai.request_fields import TOKENIZE_FIELDS
+
+    assert sorted(set(VLLM_TOKENIZE_FIELDS) - set(TOKENIZE_FIELDS)) == []
+    assert set(TokenizeRequest.model_fields) == set(TOKENIZE_FIELDS)
+    assert set(DetokenizeRequest.model_fields) == set(VLLM_DETOKENIZE_FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"x": 1}),
+     ("documents", [{"title": "t", "text": "w7"}]), ("add_generation_prompt", False),
+     ("continue_final_message", True)],
+)
+def test_chat_only_fields_with_a_prompt_are_refused(
+    tiny_server: ServerProcess, name: str, value: Any
+) -> None:
+    """They shape how messages render: with a prompt they would be ignored."""
+    response = tokenize(tiny_server, prompt="w3", **{name: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name and name in error["message"], error
+    # Their defaults still go with a prompt (a client may send every field).
+    default = {"add_generation_prompt": True, "continue_final_message": False}.get(name)
+    assert tokenize(tiny_server, prompt="w3", **{name: default}).status_code == 200
+
+
+def test_detokenize_names_unknown_fields_in_the_log(tiny_server: ServerProcess) -> None:
+    """Ignored, as on every route, but not silently."""
+    response = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": [3], "tokenz": [4]})
+    assert response.status_code == 200, response.text
+    assert "/detokenize" in tiny_server.log() and "tokenz" in tiny_server.log()

@@ -247,6 +247,7 @@ def _service_router(state: ServerState, engine: ServedEngine, version: str) -> A
     async def detokenize(raw: Request) -> Response:
         request = await parse_body(raw, DetokenizeRequest)
         state.resolve_model(request.model)
+        log_unknown_fields(request, "/detokenize")
         return json_response(await off_loop(detokenize_request, state, request))
 
     return router
@@ -273,8 +274,8 @@ def tokenize_request(state: ServerState, request: TokenizeRequest) -> TokenizeRe
     tokenizer = state.engine.tokenizer
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("Pass exactly one of 'prompt' and 'messages'.", "prompt")
-    if request.tools is not None and request.messages is None:
-        raise bad_request("'tools' are rendered with chat 'messages', not a 'prompt'.", "tools")
+    if request.messages is None:
+        _refuse_messages_only_fields(request)
     if request.messages is not None:
         options = chat_options(
             chat_template=request.chat_template,
@@ -298,6 +299,24 @@ def tokenize_request(state: ServerState, request: TokenizeRequest) -> TokenizeRe
         tokens=tokens,
         token_strs=token_strs,
     )
+
+
+# /tokenize fields that only shape how chat messages render: with a prompt they would do
+# nothing (vLLM ignores them there), so they are refused rather than ignored.
+_MESSAGES_ONLY = (
+    "tools", "chat_template", "chat_template_kwargs", "documents", "add_generation_prompt",
+    "continue_final_message",
+)
+
+
+def _refuse_messages_only_fields(request: TokenizeRequest) -> None:
+    """A 400 naming a chat-only field that a ``prompt`` request sets to a non-default."""
+    for name in _MESSAGES_ONLY:
+        value = getattr(request, name)
+        if name in request.model_fields_set and value != TokenizeRequest.model_fields[name].default:
+            raise bad_request(
+                f"'{name}' applies to chat 'messages' only; it does nothing to a 'prompt'.", name
+            )
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:

@@ -123,7 +123,8 @@ def sampling_params(
     Only implemented fields reach the engine: refused ones were checked neutral before.
     Logprobs: completions' ``logprobs`` is the engine's; chat's ``top_logprobs`` is, when
     ``logprobs`` is true. Completions with ``echo`` and ``logprobs`` (or ``max_tokens: 0``
-    with ``echo``) also ask for the prompt's logprobs, which the echoed tokens report.
+    with ``echo``) also ask for the prompt's logprobs, which the echoed tokens report; so
+    does chat's ``echo`` (vLLM's ``prompt_logprobs``, ``top_logprobs`` of them).
     ``structured_outputs`` is the request's constraint (``structured.py``, or a tool
     call's grammar), already validated.
     """
@@ -225,6 +226,11 @@ def _prompt_logprobs_of(request: GenerationRequest, max_tokens: int | None) -> i
             return request.logprobs
         if max_tokens == 0:
             return 0  # the engine only prefills; the echoed prompt is the whole answer
+    if isinstance(request, ChatCompletionRequest) and request.echo:
+        # vLLM's chat: echo also answers the prompt's logprobs (top_logprobs of them) in
+        # the response's prompt_logprobs; a stream or a beam search never carries them.
+        if not (request.stream or request.use_beam_search):
+            return request.top_logprobs or 0
     return None
 
 

@@ -28,6 +28,8 @@ INT64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]
+# vLLM's render-endpoint option: what a multimodal item's features carry.
+MMPayload = Literal["tensors", "none"]
 
 
 def random_request_id() -> str:
@@ -91,7 +93,8 @@ class _GenerationFields(_Request):
     return_token_ids: bool | None = None
     routed_experts_prompt_start: Annotated[int, Field(ge=0)] = 0
     return_token_offsets: bool | None = False
-    return_mm_kwargs: bool = True
+    return_mm_kwargs: bool | None = None  # vLLM's deprecated alias of mm_payload
+    mm_payload: MMPayload = "tensors"
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None

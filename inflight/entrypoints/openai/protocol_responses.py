@@ -22,6 +22,7 @@ from inflight.entrypoints.openai.protocol import (
     INT64,
     ChatTokenLogprob,
     LogitBias,
+    MMPayload,
     Temperature,
     TopP,
     _Request,
@@ -30,6 +31,12 @@ from inflight.entrypoints.openai.protocol import (
 
 def random_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
+
+
+class ResponsesStreamOptions(_Request):
+    """OpenAI's ``stream_options`` for responses: its one field, typed (no padding is sent)."""
+
+    include_obfuscation: bool | None = None
 
 
 class ResponsesRequest(_Request):
@@ -41,7 +48,7 @@ class ResponsesRequest(_Request):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stream: bool | None = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: ResponsesStreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -71,17 +78,30 @@ class ResponsesRequest(_Request):
     # vLLM's extras (ResponsesRequest)
     request_id: str = Field(default_factory=random_response_id)
     top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: LogitBias | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     seed: INT64 | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: INT64 = 0
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    session_id: str | None = None
+    watermarking: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    mm_payload: MMPayload = "tensors"
+    return_mm_kwargs: bool | None = None
     enable_response_messages: bool = False
     previous_input_messages: list[Any] | None = None
     previous_response: dict[str, Any] | None = None

@@ -7,12 +7,11 @@ null`` or ``"presence_penalty": 0`` still work). A field in neither schema is ig
 with a warning naming it, as vLLM does (:func:`log_unknown_fields`; OpenAI's own API
 answers 400, but clients written for other servers send their own extras).
 
-The field lists follow OpenAI's ``openai`` package (3.57) and vLLM's protocol at commit
-002032ee2b18e1f7bd924ec47b62504ba3866063 (``vllm/entrypoints/openai/completion/protocol.py``
-and ``chat_completion/protocol.py``), and for ``/v1/responses`` its ``ResponsesRequest`` at
-commit 010a69cea9ac46d2953fa673c3b814f922d1b194 (``responses/protocol.py``);
-``tests/server/test_request_schema.py`` and ``test_responses.py`` check that every one of
-them has a row here and behaves as its row says.
+The field lists follow OpenAI's ``openai`` package (3.57) and vLLM 0.32.0's protocol
+(``vllm/entrypoints/openai/completion/protocol.py``, ``chat_completion/protocol.py``,
+``responses/protocol.py`` and ``vllm/entrypoints/serve/tokenize/protocol.py``);
+``tests/server/test_request_schema.py``, ``test_responses.py`` and ``test_tokenize.py``
+check that every one of them has a row here and behaves as its row says.
 """
 
 from __future__ import annotations
@@ -123,6 +122,7 @@ _SHARED: dict[str, Treatment] = {
         "accepted: vLLM reads it on its render endpoints only, as here"
     ),
     "return_mm_kwargs": Implemented("accepted: vLLM reads it on its render endpoints only"),
+    "mm_payload": Implemented("accepted: vLLM reads it on its render endpoints only"),
     "cache_salt": Implemented(
         "mixed into the prefix-cache hash: only requests with the same salt share cached blocks"
     ),
@@ -165,13 +165,14 @@ CHAT_FIELDS: dict[str, Treatment] = _SHARED | {
     "parallel_tool_calls": Implemented("false: at most one call (auto keeps the first; required's grammar allows one)"),
     "functions": Refused(_DEPRECATED_FUNCTIONS),
     "function_call": Refused(_DEPRECATED_FUNCTIONS, equals("none", "auto")),
-    "reasoning_effort": Refused(_NO_REASONING),
+    "reasoning_effort": Refused(_NO_REASONING, equals("none")),  # "none": what it does anyway
     "include_reasoning": Implemented("accepted: no reasoning is separated from the answer"),
     "audio": Refused(_TEXT_ONLY),
     "modalities": Refused(_TEXT_ONLY, _text_modalities),
     "prediction": Refused(f"predicted outputs are {_LATER}"),
-    "web_search_options": Refused("this server has no web search"),
-    "verbosity": Refused("this model has no verbosity setting"),
+    # Only null is neutral: an empty object turns OpenAI's web search on.
+    "web_search_options": Refused("this server has no web search", equals()),
+    "verbosity": Refused("this model has no verbosity setting", equals("medium")),  # the default
     "moderation": Refused("this server has no moderation"),
     "metadata": Implemented(
         "accepted: tags for stored completions, which this server keeps none of"
@@ -214,7 +215,13 @@ RESPONSES_FIELDS: dict[str, Treatment] = {
         "model", "temperature", "top_p", "stream", "user", "top_k", "repetition_penalty",
         "seed", "stop", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
         "logit_bias", "priority", "cache_salt", "structured_outputs", "request_timeout",
+        "min_p", "presence_penalty", "frequency_penalty", "stop_token_ids", "session_id",
+        "watermarking", "kv_transfer_params", "ec_transfer_params", "return_mm_kwargs",
+        "mm_payload",
     )
+} | {
+    name: CHAT_FIELDS[name]
+    for name in ("chat_template_kwargs", "include_reasoning", "media_io_kwargs")
 } | {
     "input": Implemented(
         "a string (one user message) or a list of messages, function_call and "
@@ -315,9 +322,22 @@ def refuse_legacy_guided_fields(request: BaseModel) -> None:
 
 
 def log_unknown_fields(request: BaseModel, endpoint: str) -> None:
-    """Fields in neither schema are ignored, as vLLM does: say which, at warning level."""
-    if request.model_extra:
+    """Fields in neither schema are ignored, as vLLM does: say which, at warning level
+    (also inside an object field such as ``stream_options.include_usuage``)."""
+    unknown = sorted(unknown_fields(request))
+    if unknown:
         logger.warning(
             "%s: the following fields were present in the request but ignored: %s",
-            endpoint, sorted(request.model_extra),
+            endpoint, unknown,
         )
+
+
+def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
+    """The request's fields in neither schema, and those of its object-valued fields (not of
+    messages: their extra keys go to the chat template)."""
+    names = [prefix + name for name in request.model_extra or {}]
+    for name in request.model_fields_set:
+        value = getattr(request, name)
+        if isinstance(value, BaseModel):
+            names += unknown_fields(value, f"{prefix}{name}.")
+    return names

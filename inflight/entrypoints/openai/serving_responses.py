@@ -154,18 +154,21 @@ def _sampling_params(
     defaults: Mapping[str, Any],
 ) -> SamplingParams:
     """The engine's parameters; where the request is silent, the model's generation config
-    (``defaults``), else OpenAI's, as on chat (so ``min_p`` too, which this request has no
-    field for). Logprobs only when ``include`` asks for them (vLLM's rule)."""
+    (``defaults``), else OpenAI's, as on chat. Logprobs only when ``include`` asks for them
+    (vLLM's rule)."""
     logprobs = (request.top_logprobs or 0) if wants_logprobs(request.include) else None
     return checked_sampling_params(
         _RENAMED,
         temperature=given(request.temperature, defaults, "temperature", 1.0),
         top_p=given(request.top_p, defaults, "top_p", 1.0),
         top_k=given(request.top_k, defaults, "top_k", 0),
-        min_p=defaults.get("min_p", 0.0),
+        min_p=given(request.min_p, defaults, "min_p", 0.0),
         seed=request.seed,
         max_tokens=capped_max_tokens(request.max_output_tokens, defaults),
         stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
@@ -183,7 +186,11 @@ def _prompt_ids(
     event loop: its cost grows with the input)."""
     conversation = chat_input(request.instructions, request.input)
     continued = conversation.continue_final_message
-    options = chat_options(add_generation_prompt=not continued, continue_final_message=continued)
+    options = chat_options(
+        add_generation_prompt=not continued,
+        continue_final_message=continued,
+        chat_template_kwargs=request.chat_template_kwargs,
+    )
     token_ids = render_messages(
         state, conversation.messages, options, tools, "input"
     ).prompt_token_ids
