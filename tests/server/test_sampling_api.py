@@ -104,6 +104,18 @@ def test_echo_with_max_tokens_zero_gives_prompt_logprobs(
     )
 
 
+def test_echo_with_max_tokens_zero_alone_carries_no_prompt_logprobs(
+    client: openai.OpenAI,
+) -> None:
+    """(The engine computes the prompt's logprobs to prefill it, and they leaked into
+    vLLM's prompt_logprobs field, asked for by neither prompt_logprobs nor logprobs.)"""
+    choice = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=0, echo=True
+    ).choices[0]
+    assert choice.text == PROMPT and choice.logprobs is None
+    assert (choice.model_extra or {})["prompt_logprobs"] is None
+
+
 def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.chat(
         MESSAGES, params(5, logprobs=3), use_tqdm=False, chat_template=CHAT_TEMPLATE

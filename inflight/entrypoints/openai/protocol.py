@@ -251,6 +251,7 @@ class UsageInfo(_Response):
     total_tokens: int = 0
     completion_tokens: int | None = 0
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None  # vLLM's: reasoning tokens
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
@@ -314,6 +315,7 @@ class CompletionChoice(_Response):
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobsBody | None = None
     prompt_token_ids: list[int] | None = None
+    routed_experts: None = None  # vLLM's (mixture-of-experts routing): no experts here
 
 
 class CompletionResponse(_Response):
@@ -326,6 +328,8 @@ class CompletionResponse(_Response):
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
     kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    metrics: None = None  # vLLM's per-request metrics, off as by vLLM's default
 
 
 class ChatResponseMessage(_Response):
@@ -347,6 +351,7 @@ class ChatChoice(_Response):
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    routed_experts: None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -362,6 +367,8 @@ class ChatCompletionResponse(_Response):
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    metrics: None = None
 
 
 class ChatDelta(_Response):

@@ -116,6 +116,9 @@ async def _serve(state: ServerState, request: CompletionRequest, arrival_time: f
         return_token_ids=bool(request.return_token_ids),
         logprobs=request.logprobs is not None,
         echo_logprobs=echo_logprobs(request),
+        # Only when asked for, directly or through echo with logprobs (as vLLM): an echo
+        # with max_tokens 0 also computes them, to prefill, but they stay internal.
+        show_prompt_logprobs=request.prompt_logprobs is not None or echo_logprobs(request),
         decode=lambda token_id: str(tokenizer.decode([token_id])),
         as_token_ids=bool(request.return_tokens_as_token_ids),
     )
@@ -147,6 +150,7 @@ class _Reply:
     return_token_ids: bool
     logprobs: bool  # the choices carry OpenAI's logprobs object
     echo_logprobs: bool  # ... starting with the echoed prompt's tokens
+    show_prompt_logprobs: bool  # the choices carry vLLM's prompt_logprobs
     decode: Callable[[int], str]  # one token's text
     as_token_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
 
@@ -239,7 +243,9 @@ def _choices(reply: _Reply, prompt: int, result: Collected) -> list[CompletionCh
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             token_ids=completion.token_ids if reply.return_token_ids else None,
-            prompt_logprobs=prompt_logprobs_body(result.prompt_logprobs),
+            prompt_logprobs=(
+                prompt_logprobs_body(result.prompt_logprobs) if reply.show_prompt_logprobs else None
+            ),
             prompt_token_ids=reply.prompt_token_ids(prompt),
         )
         for completion in result.completions
