@@ -253,7 +253,10 @@ class EngineLoop:
         if new_total:
             if live.last_token_time is None:
                 live.first_token_time = step.time
-                step.first_token(live.num_prompt_tokens, new_total, live.arrival_time)
+                step.first_token(
+                    live.num_prompt_tokens, new_total, live.arrival_time,
+                    live.request.num_cached_tokens or 0,
+                )
             else:
                 step.next_tokens(new_total, live.last_token_time)
             live.last_token_time = step.time
@@ -330,8 +333,10 @@ class EngineLoop:
             num_kv_blocks_total=kv_cache.num_blocks,
             num_preemptions_total=scheduler.num_preemptions,
             prompt_tokens_total=recorder.prompt_tokens_total,
+            prompt_tokens_cached_total=recorder.prompt_tokens_cached_total,
             generation_tokens_total=recorder.generation_tokens_total,
             num_steps_total=self._num_steps,
+            num_requests_deferred=self._engine.structured_output.num_compiling,
             prefix_cache=PrefixCacheStats(
                 queries=kv_cache.prefix_stats.queries, hits=kv_cache.prefix_stats.hits
             ),

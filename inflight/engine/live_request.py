@@ -110,4 +110,6 @@ class LiveRequest:
             inference_time=inference,
             max_tokens_param=self.request.max_output_tokens,
             n=self.n,
+            num_cached_prompt_tokens=self.request.num_cached_tokens or 0,
+            num_preemptions=self.request.num_preemptions,
         )

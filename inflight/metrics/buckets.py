@@ -26,6 +26,8 @@ ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (
     1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 )
 N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)
+# Preemptions of one request (vLLM 0.32): the first bucket also holds the never preempted.
+PREEMPTIONS_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 5, 10, 20)
 # fmt: on
 
 

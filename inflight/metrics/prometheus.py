@@ -55,7 +55,15 @@ HISTOGRAM_DOCS = {
     "request_params_n": "Histogram of the n request parameter.",
     "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
     "iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+    "request_num_preemptions": "Histogram of the number of times a request was preempted.",
+    "request_prefill_kv_computed_tokens": (
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens)."
+    ),
 }
+# vLLM 0.32's sources of prompt tokens and of prefix-cache hits; here only the local ones.
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_HIT_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 
 class _EngineStatsCollector(Collector):
@@ -92,7 +100,17 @@ class _EngineStatsCollector(Collector):
         family.add_metric(values, value)
         return family
 
+    def _by_label(
+        self, family: CounterMetricFamily | GaugeMetricFamily, label_values: dict[str, float]
+    ) -> Metric:
+        """One sample per value of the family's last label (after model_name, engine)."""
+        _, values = self._labels
+        for label, value in label_values.items():
+            family.add_metric([*values, label], value)
+        return family
+
     def _gauges(self, stats: EngineStats) -> Iterator[Metric]:
+        names, values = self._labels
         yield self._gauge(
             "num_requests_running",
             "Number of requests in model execution batches.",
@@ -108,7 +126,20 @@ class _EngineStatsCollector(Collector):
             "KV-cache usage. 1 means 100 percent usage.",
             stats.kv_cache_usage,
         )
-        names, values = self._labels
+        yield self._by_label(
+            GaugeMetricFamily(
+                PREFIX + "num_requests_waiting_by_reason",
+                "Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
+                "for scheduling capacity; 'deferred' = deferred by transient constraints "
+                "(here: a grammar still compiling). Sum of all reasons equals "
+                "inflight:num_requests_waiting.",
+                labels=[*names, "reason"],
+            ),
+            {
+                "capacity": stats.num_requests_waiting - stats.num_requests_deferred,
+                "deferred": stats.num_requests_deferred,
+            },
+        )
         sleep = GaugeMetricFamily(
             PREFIX + "engine_sleep_state",
             "Engine sleep state; awake = 1 means engine is awake (inflight never sleeps).",
@@ -150,6 +181,7 @@ class _EngineStatsCollector(Collector):
         yield self._counter(
             "prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens_total
         )
+        yield from self._prompt_token_sources(stats)
         yield self._counter(
             "generation_tokens",
             "Number of generation tokens processed.",
@@ -162,6 +194,45 @@ class _EngineStatsCollector(Collector):
             "Requests aborted because they did not finish within their request_timeout.",
             stats.num_request_timeouts_total,
         )
+
+    def _prompt_token_sources(self, stats: EngineStats) -> Iterator[Metric]:
+        """vLLM 0.32's split of the prompt tokens: computed here or read from the prefix
+        cache (counted when the request's first token comes), and the cache hits by tier
+        (counted at admission, as ``prefix_cache_hits``). No KV transfer, no offloading."""
+        names, _ = self._labels
+        cached = stats.prompt_tokens_cached_total
+        yield self._counter(
+            "prompt_tokens_cached", "Number of cached prompt tokens (local + external).", cached
+        )
+        yield self._by_label(
+            CounterMetricFamily(
+                PREFIX + "prompt_tokens_by_source", "Number of prompt tokens by source.",
+                labels=[*names, "source"],
+            ),
+            dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+            | {"local_compute": stats.prompt_tokens_total - cached, "local_cache_hit": cached},
+        )
+        yield self._by_label(
+            CounterMetricFamily(
+                PREFIX + "prompt_tokens_cached_by_source",
+                "Prefix-cache hit tokens by the cache tier that supplied them (here always "
+                "device: the KV cache itself). Counted at admission; sums to "
+                "inflight:prefix_cache_hits + inflight:external_prefix_cache_hits.",
+                labels=[*names, "source"],
+            ),
+            dict.fromkeys(CACHE_HIT_SOURCES, 0) | {"device": stats.prefix_cache.hits},
+        )
+        # vLLM's frontend admission counter, labelled by model and reason only.
+        admission = CounterMetricFamily(
+            PREFIX + "admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason "
+            "(max_num_queued_reqs: max_waiting_requests were waiting).",
+            labels=["model_name", "reason"],
+        )
+        for reason in ADMISSION_REASONS:
+            rejected = stats.num_rejected_queue_full_total if reason == "max_num_queued_reqs" else 0
+            admission.add_metric([self._model_name, reason], rejected)
+        yield admission
 
     def _request_rejected(self, stats: EngineStats) -> Metric:
         names, values = self._labels

@@ -12,7 +12,8 @@ Accounting follows vLLM's V1 frontend (``IterationStats``), so the exported seri
 the same thing:
 
 * a request's prompt tokens count once, in the step that produced its first token
-  (recomputation after a preemption is not counted again);
+  (recomputation after a preemption is not counted again), and so do those of them that
+  came from the prefix cache (``prompt_tokens_cached``);
 * ``iteration_tokens_total`` observes, once per step that produced tokens, that step's
   prompt tokens (as above) plus the tokens it generated;
 * one inter-token latency per request per step after its first token;
@@ -33,6 +34,7 @@ from inflight.metrics.buckets import (
     ITERATION_TOKENS_BUCKETS,
     ITL_BUCKETS,
     N_BUCKETS,
+    PREEMPTIONS_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     build_1_2_5_buckets,
@@ -109,6 +111,8 @@ def histogram_buckets(max_model_len: int) -> dict[str, tuple[float, ...]]:
         "request_params_max_tokens": tokens,
         "request_params_n": N_BUCKETS,
         "iteration_tokens_total": ITERATION_TOKENS_BUCKETS,
+        "request_num_preemptions": PREEMPTIONS_BUCKETS,
+        "request_prefill_kv_computed_tokens": tokens,
     }
 
 
@@ -139,8 +143,12 @@ class EngineStats:
     num_kv_blocks_total: int = 0
     num_preemptions_total: int = 0
     prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0  # of prompt_tokens_total, read from the prefix cache
     generation_tokens_total: int = 0
     num_steps_total: int = 0
+    # Waiting requests held back by a transient constraint (a grammar still compiling):
+    # vLLM's "deferred" reason; the other waiting requests wait for capacity.
+    num_requests_deferred: int = 0
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
     # Finished requests by finish reason (every reason of FINISH_REASONS, zeros included).
     request_success: tuple[tuple[str, int], ...] = ()
@@ -175,6 +183,8 @@ class FinishedRequestStats:
     inference_time: float = 0.0
     max_tokens_param: int | None = None  # the output-token limit the request ran with
     n: int = 1
+    num_cached_prompt_tokens: int = 0  # read from the prefix cache, not computed
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -183,14 +193,18 @@ class StepStats:
 
     time: float  # when the step's outputs were seen
     num_prompt_tokens: int = 0  # of requests whose first token came in this step
+    num_cached_prompt_tokens: int = 0  # ... of them read from the prefix cache
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     # previous token time -> requests that got their next token now: the inter-token
     # gaps, grouped (a step's decodes mostly share their previous step).
     previous_token_times: dict[float, int] = field(default_factory=dict)
 
-    def first_token(self, num_prompt_tokens: int, num_new_tokens: int, arrival: float) -> None:
+    def first_token(
+        self, num_prompt_tokens: int, num_new_tokens: int, arrival: float, num_cached: int = 0
+    ) -> None:
         self.num_prompt_tokens += num_prompt_tokens
+        self.num_cached_prompt_tokens += num_cached
         self.num_generation_tokens += num_new_tokens
         self.time_to_first_tokens.append(self.time - arrival)
 
@@ -205,6 +219,7 @@ class StatsRecorder:
 
     def __init__(self, max_model_len: int) -> None:
         self.prompt_tokens_total = 0
+        self.prompt_tokens_cached_total = 0
         self.generation_tokens_total = 0
         self._success = dict.fromkeys(FINISH_REASONS, 0)
         self._histograms = {
@@ -214,6 +229,7 @@ class StatsRecorder:
     def record_step(self, step: StepStats) -> None:
         """Once per step that produced at least one token."""
         self.prompt_tokens_total += step.num_prompt_tokens
+        self.prompt_tokens_cached_total += step.num_cached_prompt_tokens
         self.generation_tokens_total += step.num_generation_tokens
         hist = self._histograms
         hist["iteration_tokens_total"].observe(step.num_prompt_tokens + step.num_generation_tokens)
@@ -242,6 +258,10 @@ class StatsRecorder:
         hist["request_params_n"].observe(stats.n)
         if stats.max_tokens_param:
             hist["request_params_max_tokens"].observe(stats.max_tokens_param)
+        hist["request_num_preemptions"].observe(stats.num_preemptions)
+        hist["request_prefill_kv_computed_tokens"].observe(
+            stats.num_prompt_tokens - stats.num_cached_prompt_tokens
+        )
 
     @property
     def request_success(self) -> tuple[tuple[str, int], ...]:

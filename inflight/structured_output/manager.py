@@ -127,6 +127,11 @@ class StructuredOutputManager:
         return len(self._requests)
 
     @property
+    def num_compiling(self) -> int:
+        """Requests whose grammar is still compiling (all waiting: none can be scheduled)."""
+        return sum(not s.compiled.done() for s in self._requests.values())
+
+    @property
     def num_cached_grammars(self) -> int:
         return len(self._cache)
 

@@ -138,6 +138,10 @@ def test_full_queue_refuses_at_once_with_503_and_retry_after(
     assert after["inflight:request_rejected_total:queue_full"] == (
         before["inflight:request_rejected_total:queue_full"] + 2
     )
+    # vLLM 0.32's name for the same count
+    assert after["inflight:admission_rejections_total:max_num_queued_reqs"] == (
+        before["inflight:admission_rejections_total:max_num_queued_reqs"] + 2
+    )
     # Room again: a new request is accepted.
     again = httpx.post(f"{server.url}/v1/completions",
                        json=completion(PROMPTS[2], return_token_ids=True), timeout=60)

