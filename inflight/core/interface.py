@@ -90,8 +90,9 @@ class ModelRunnerOutput:
     # request id -> why preparing its part of the step failed (its sampler state, its
     # inputs). Only these requests end, with FINISHED_ERROR; the others' tokens are valid.
     failed_requests: dict[str, str] = field(default_factory=dict)
-    # Constrained requests whose grammar is complete with this step's token (nothing may
-    # follow): they finish with "stop", whatever the length limits say.
+    # Constrained requests whose grammar is complete with this step's token (nothing but
+    # EOS may follow): the scheduler lets them sample that EOS where it would end them (as
+    # vLLM), else finishes them with "stop" (Request.eos_can_end_next).
     grammar_finished_request_ids: set[str] = field(default_factory=set)
     # request id -> the sampled token's logprobs, for requests that asked (logprobs=k).
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
