@@ -92,6 +92,10 @@ IMPLEMENTED_SHARED: dict[str, dict[str, Any]] = {
     "stop_token_ids": {"stop_token_ids": [9]},
     "include_stop_str_in_output": {"include_stop_str_in_output": True},
     "skip_special_tokens": {"skip_special_tokens": False},
+    # vLLM 0.32 answers false alike (the offline API already took it)
+    "spaces_between_special_tokens": {
+        "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    },
     "truncate_prompt_tokens": {"truncate_prompt_tokens": 1},
     "truncation_side": {"truncate_prompt_tokens": 1, "truncation_side": "right"},
     "priority": {"priority": 0},
@@ -164,7 +168,6 @@ IMPLEMENTED_CHAT = IMPLEMENTED_SHARED | {
 
 # Refused fields: (a value that must be refused, the neutral value that must still work).
 REFUSED_SHARED: dict[str, tuple[Any, Any]] = {
-    "spaces_between_special_tokens": (False, True),
     "watermarking": (True, False),
     "logprob_token_ids": ([3], None),
     "routed_experts_prompt_start": (1, 0),

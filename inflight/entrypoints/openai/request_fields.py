@@ -97,7 +97,10 @@ _SHARED: dict[str, Treatment] = {
     "stop_token_ids": Implemented("token ids that end the request (text answers, as stop)"),
     "include_stop_str_in_output": Implemented("keep the stop string in the text"),
     "skip_special_tokens": Implemented("drop special tokens from the text"),
-    "spaces_between_special_tokens": Refused("only the default (true) is supported", equals(True)),
+    "spaces_between_special_tokens": Implemented(
+        "accepted, as offline: fast tokenizers (the only kind inflight runs) put no spaces "
+        "between special tokens either way"
+    ),
     "use_beam_search": Implemented("n beams per prompt, the n best returned (serving_beam_search.py)"),
     "length_penalty": Implemented("the final ranking's length exponent (with use_beam_search only)"),
     "watermarking": Refused("watermarking is not supported"),
