@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a Ctrl-C
+
 # subcommand modules, each exposing register(subparsers) that sets a ``handler`` default
 SUBCOMMAND_MODULES = [
     "inflight.entrypoints.generate_cli",  # inflight generate
@@ -71,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:  # bad values, missing or unwritable files
         print(f"inflight: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C while a model loads, warms up or generates (a running server handles its
+        # own): one line, not the stack of whatever happened to be computing.
+        print("inflight: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

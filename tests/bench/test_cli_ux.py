@@ -161,3 +161,20 @@ def test_a_trace_field_of_the_wrong_type_or_range_is_named(tmp_path: Path, capsy
     trace.write_bytes(b"\xff\xfe")
     assert main(["plot", str(trace), "--out-dir", str(tmp_path)]) == 2
     assert "is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys) -> None:
+    """A Ctrl-C while a model loads (``inflight serve`` before it is ready, a first kernel
+    build) or generates printed a page of KeyboardInterrupt traceback."""
+    import inflight.entrypoints.generate_cli as generate_cli
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_cli, "run", interrupted)
+    try:
+        code = main(["generate", "hello"])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt escaped main(): its traceback reaches the user")
+    assert code == 130
+    assert capsys.readouterr().err == "inflight: interrupted\n"
