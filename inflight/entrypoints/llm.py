@@ -72,6 +72,35 @@ class LLM:
             "keeps a StepTrace of every step"
         )
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (weights offloaded, KV cache dropped) is not offered: raises
+        ``NotImplementedError`` rather than pretend to free memory."""
+        raise NotImplementedError(
+            "LLM.sleep is not supported: inflight keeps its weights and KV cache resident; "
+            "delete the LLM to free them"
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """See :meth:`sleep`: raises ``NotImplementedError``."""
+        raise NotImplementedError("LLM.wake_up is not supported: inflight never sleeps")
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's pooling API (``encode``, ``embed``, ``classify``, ``score``, ``reward``)
+        is for pooling models; inflight runs generative models only: raises ValueError."""
+        raise _pooling_only("encode")
+
+    def embed(self, *args: Any, **kwargs: Any) -> Any:
+        raise _pooling_only("embed")
+
+    def classify(self, *args: Any, **kwargs: Any) -> Any:
+        raise _pooling_only("classify")
+
+    def score(self, *args: Any, **kwargs: Any) -> Any:
+        raise _pooling_only("score")
+
+    def reward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _pooling_only("reward")
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (e.g. between benchmark runs). Returns False,
         changing nothing, while any request holds KV blocks."""
@@ -137,6 +166,11 @@ class LLM:
         _refuse_lora(lora_request)
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs is not supported: this model reads text only")
+        if not isinstance(messages, list | tuple):
+            raise TypeError(
+                "messages must be a list of message dicts, or a list of such lists, got "
+                f"{type(messages).__name__}"
+            )
         conversations = (
             [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
@@ -186,7 +220,7 @@ class LLM:
             instance = BeamSearchInstance(token_ids, params, engine.eos_token_ids, engine.max_model_len)
             searches.append((instance, salt))
         step = params.step_params()
-        limit = concurrency_limit or len(searches)
+        limit = concurrency_limit or max(1, len(searches))
         with _progress_bar(use_tqdm, total=len(searches), desc="Beam search") as bar:
             for start in range(0, len(searches), limit):
                 group = searches[start:start + limit]
@@ -313,6 +347,13 @@ def _with_tools(
     return apply_tools(messages, options, parsed, template)
 
 
+def _pooling_only(method: str) -> ValueError:
+    return ValueError(
+        f"LLM.{method}() is only supported for pooling models (vLLM's --runner pooling); "
+        "inflight runs generative models only: use generate() or chat()"
+    )
+
+
 def _step_logprobs(output: RequestOutput) -> dict[Any, Any]:
     """One beam's step result: its top tokens' logprobs (or its error, raised)."""
     completion = output.outputs[0]
@@ -332,9 +373,7 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # a single list of token ids
-    if not prompts:
-        raise ValueError("no prompts given")
-    return prompts
+    return prompts  # none: no outputs, as vLLM
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], **options: Any) -> Any:

@@ -124,6 +124,28 @@ def test_vllm_s_neutral_arguments_are_accepted_and_others_refused(llm: LLM) -> N
             llm.chat(messages, GREEDY, use_tqdm=False, chat_template=TEMPLATE, **bad)
 
 
+def test_empty_batches_and_apis_it_does_not_offer_answer_as_vllm(llm: LLM) -> None:
+    """Found by running the same calls on vLLM 0.32: no prompts is no outputs (was a
+    ValueError); the pooling API and sleep mode are refused by name (were AttributeErrors);
+    a single message dict instead of a list is a TypeError saying so (was KeyError 0)."""
+    from inflight.beam_search import BeamSearchParams
+
+    assert llm.generate([], GREEDY, use_tqdm=False) == []
+    assert llm.chat([], GREEDY, use_tqdm=False, chat_template=TEMPLATE) == []
+    assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=2)) == []
+    for method in ("encode", "embed", "classify", "score", "reward"):
+        with pytest.raises(ValueError, match=f"LLM.{method}.*pooling models"):
+            getattr(llm, method)(["w3"])
+    with pytest.raises(NotImplementedError, match="LLM.sleep"):
+        llm.sleep()
+    with pytest.raises(NotImplementedError, match="LLM.wake_up"):
+        llm.wake_up()
+    with pytest.raises(TypeError, match="messages must be a list.*got dict"):
+        llm.chat({"role": "user", "content": "w3"}, GREEDY, use_tqdm=False)  # type: ignore[arg-type]
+    # the engine still serves
+    assert texts(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False))[0]
+
+
 def test_from_optional_clamps_logit_bias_as_vllm_does() -> None:
     """(vLLM's ``from_optional`` clamps biases to [-100, 100]; ours refused them.) The
     constructor still refuses them, and what is not a number is refused either way."""
