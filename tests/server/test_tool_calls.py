@@ -376,6 +376,9 @@ def test_default_rendering_of_history() -> None:
 
 BAD = [
     ({"tools": {"type": "function"}}, "tools"),
+    # An empty array, as OpenAI and vLLM 0.32 refuse it (was taken as no tools).
+    ({"tools": []}, "tools"),
+    ({"tools": [], "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),

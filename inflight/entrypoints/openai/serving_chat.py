@@ -86,6 +86,11 @@ async def _serve(
 ) -> Response:
     model = state.resolve_model(request.model)
     check_supported(request)
+    if request.tools is not None and not request.tools:  # OpenAI's and vLLM's rule
+        raise bad_request(
+            "'tools' must not be an empty array: give at least one tool, or leave it out.",
+            "tools",
+        )
     tools = parse_tools(request.tools)
     tool_choice = parse_tool_choice(request.tool_choice, tools)
     constraint = answer_constraint(
