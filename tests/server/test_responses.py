@@ -33,9 +33,10 @@ from inflight.engine.request_stream import EngineDeadError, RequestDelta
 from inflight.entrypoints.openai.protocol_responses import ResponsesRequest
 from inflight.entrypoints.openai.request_fields import RESPONSES_FIELDS, Implemented, Refused
 from inflight.entrypoints.openai.responses_stream import stream_response
-from inflight.entrypoints.openai.serving_responses import ResponseReply
+from inflight.entrypoints.openai.serving_responses import ResponseReply, _complete
 from inflight.entrypoints.openai.tool_calls import ToolChoice, parse_tools
 from inflight.entrypoints.openai.tool_parsing import parse_answer
+from inflight.outputs import Logprob
 from inflight.sampling_params import SamplingParams
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -551,15 +552,17 @@ CALL_TEXT = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "P
 class _FakeStream:
     """A RequestStream of fixed text pieces, optionally failing after them."""
 
-    def __init__(self, pieces: list[str], fail: bool = False) -> None:
+    def __init__(self, pieces: list[str], fail: bool = False, logprobs: bool = False) -> None:
         self.pieces, self.fail, self.closed = pieces, fail, False
+        self.logprobs = logprobs  # each piece one token, its text its decoded_token
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         for index, piece in enumerate(self.pieces):
             last = index == len(self.pieces) - 1 and not self.fail
+            logprobs = [{index: Logprob(-0.5, 1, piece)}] if self.logprobs else None
             yield RequestDelta(
                 "r", piece, [index], num_prompt_tokens=3, num_output_tokens=index + 1,
-                finished=last, finish_reason="stop" if last else None,
+                finished=last, finish_reason="stop" if last else None, logprobs=logprobs,
             )
         if self.fail:
             raise EngineDeadError("the step failed")
@@ -568,13 +571,18 @@ class _FakeStream:
         self.closed = True
 
 
-def _run(stream: _FakeStream, mode: str, name: str | None = None) -> list[dict[str, Any]]:
-    tools = parse_tools(CHAT_TOOLS)
-    reply = ResponseReply(
-        request=ResponsesRequest(input="w3"), model=TINY, params=SamplingParams(),
-        max_output_tokens=16, tools=tools, tool_choice=ToolChoice(mode, name),
+def _reply(mode: str, name: str | None = None, logprobs: int | None = None) -> ResponseReply:
+    return ResponseReply(
+        request=ResponsesRequest(input="w3"), model=TINY, params=SamplingParams(logprobs=logprobs),
+        max_output_tokens=16, tools=parse_tools(CHAT_TOOLS), tool_choice=ToolChoice(mode, name),
         decode=str, raw_bytes=None,
     )
+
+
+def _run(
+    stream: _FakeStream, mode: str, name: str | None = None, logprobs: int | None = None
+) -> list[dict[str, Any]]:
+    reply = _reply(mode, name, logprobs)
 
     async def read() -> list[str]:
         return [event async for event in stream_response(reply, stream)]
@@ -607,6 +615,25 @@ def test_streamed_auto_tool_call_matches_the_parsed_answer() -> None:
     assert added["output_index"] == 1 and added["item"]["arguments"] == ""
     assert "".join(e.get("delta", "") for e in events
                    if e["type"] == "response.output_text.delta") == "Sure. "
+
+
+def test_a_message_before_a_call_has_its_own_tokens_logprobs_streamed_or_not() -> None:
+    """(The message's logprobs covered the call's tokens too: 12 entries for "Sure. ",
+    while its streamed text deltas carried 1.) Each piece is one token here."""
+    pieces = [CALL_TEXT[i : i + 7] for i in range(0, len(CALL_TEXT), 7)]
+    events = _run(_FakeStream(pieces, logprobs=True), "auto", logprobs=0)
+    sent = [entry for e in events if e["type"] == "response.output_text.delta"
+            for entry in e["logprobs"]]
+    assert [entry["token"] for entry in sent] == ["Sure. <"]  # the text's one token
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == sent
+    streamed = events[-1]["response"]["output"][0]["content"][0]
+    assert streamed["text"] == "Sure. " and streamed["logprobs"] == sent
+    unstreamed = json.loads(bytes(asyncio.run(
+        _complete(_reply("auto", logprobs=0), _FakeStream(pieces, logprobs=True))  # type: ignore[arg-type]
+    ).body))
+    message, call = unstreamed["output"]
+    assert message["content"][0]["logprobs"] == sent and call["name"] == "get_weather"
 
 
 def test_streamed_calls_each_close_before_the_next_opens() -> None:

@@ -87,13 +87,13 @@ class _StreamedOutput:
     event: _Events
     items: list[OutputItem] = field(default_factory=list)
     message: OutputMessage | None = None  # while its text streams
-    logprobs: list[ChatTokenLogprob] = field(default_factory=list)  # all the tokens'
+    sent: list[ChatTokenLogprob] = field(default_factory=list)  # went out with the text
     unsent: list[ChatTokenLogprob] = field(default_factory=list)  # text not sent yet
     calls: dict[int, FunctionCall] = field(default_factory=dict)  # by the answer's index
 
     def add_logprobs(self, entries: list[ChatTokenLogprob] | None) -> None:
-        """A delta's logprobs; they go out with the next piece of text."""
-        self.logprobs.extend(entries or [])
+        """A delta's logprobs; they go out with the next piece of text (those of a tool
+        call's tokens never do: the message closes before the call)."""
         self.unsent.extend(entries or [])
 
     def text(self, piece: str) -> Iterator[str]:
@@ -179,6 +179,7 @@ class _StreamedOutput:
             delta=piece,
             logprobs=self.unsent,
         )
+        self.sent.extend(self.unsent)
         self.unsent = []
         return event
 
@@ -187,7 +188,7 @@ class _StreamedOutput:
         assert message is not None
         part = message.content[0]
         if part.logprobs is not None:
-            part.logprobs = list(self.logprobs)
+            part.logprobs = list(self.sent)
         where = {**self._where(message), "content_index": 0}
         yield self.event(
             "response.output_text.done", **where, text=part.text, logprobs=part.logprobs or []

@@ -278,10 +278,10 @@ async def _complete(reply: ResponseReply, stream: RequestStream) -> Response:
     cut = item_status(completion.finish_reason)  # the last item's, and the calls'
     output: list[OutputItem] = []
     if answer.content or not answer.calls:
-        text = OutputText(
-            text=answer.content or "",
-            logprobs=reply.logprobs(completion.token_ids, completion.logprobs),
-        )
+        logprobs = reply.logprobs(completion.token_ids, completion.logprobs)
+        if logprobs is not None and answer.calls:  # the text's tokens, not the calls'
+            logprobs = logprobs[: tokens_spelling(logprobs, answer.content or "")]
+        text = OutputText(text=answer.content or "", logprobs=logprobs)
         # A message before calls was complete when they began.
         status = "completed" if answer.calls else cut
         output.append(OutputMessage(id=new_item_id("msg"), status=status, content=[text]))
@@ -297,3 +297,15 @@ async def _complete(reply: ResponseReply, stream: RequestStream) -> Response:
         )
     usage = ResponseUsage.of(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)
     return json_response(reply.response(response_status(completion.finish_reason), output, usage))
+
+
+def tokens_spelling(entries: Sequence[ChatTokenLogprob], text: str) -> int:
+    """How many leading tokens it takes to spell ``text`` (counted in UTF-8 bytes): a
+    message's logprobs before a tool call are those of its own tokens, the token that
+    also starts the call included, as the streamed text deltas carry them."""
+    needed, count = len(text.encode("utf-8")), 0
+    for count, entry in enumerate(entries, start=1):
+        needed -= len(entry.bytes or [])
+        if needed <= 0:
+            return count
+    return count
