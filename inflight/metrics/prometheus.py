@@ -189,6 +189,7 @@ class _EngineStatsCollector(Collector):
         )
         yield self._counter("engine_steps", "Engine iterations run.", stats.num_steps_total)
         yield self._request_rejected(stats)
+        yield self._admission_rejections(stats)
         yield self._counter(
             "request_timeout",
             "Requests aborted because they did not finish within their request_timeout.",
@@ -222,8 +223,11 @@ class _EngineStatsCollector(Collector):
             ),
             dict.fromkeys(CACHE_HIT_SOURCES, 0) | {"device": stats.prefix_cache.hits},
         )
-        # vLLM's frontend admission counter, labelled by model and reason only.
-        admission = CounterMetricFamily(
+
+    def _admission_rejections(self, stats: EngineStats) -> Metric:
+        """vLLM 0.32's name for what ``request_rejected`` counts: its frontend counter,
+        labelled by model and reason only (no engine)."""
+        family = CounterMetricFamily(
             PREFIX + "admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason "
             "(max_num_queued_reqs: max_waiting_requests were waiting).",
@@ -231,8 +235,8 @@ class _EngineStatsCollector(Collector):
         )
         for reason in ADMISSION_REASONS:
             rejected = stats.num_rejected_queue_full_total if reason == "max_num_queued_reqs" else 0
-            admission.add_metric([self._model_name, reason], rejected)
-        yield admission
+            family.add_metric([self._model_name, reason], rejected)
+        return family
 
     def _request_rejected(self, stats: EngineStats) -> Metric:
         names, values = self._labels
