@@ -15,6 +15,14 @@ Run on 2026-12-07 against vLLM 0.32.0 (CPU build), it found what was fixed that 
 complete grammar's EOS not sampled, beam search texts keeping the EOS, empty batches
 refused, the pooling API missing. The rest agreed, token for token. Errors differ only in
 wording; ``priority`` without priority scheduling is refused here (vLLM 0.32 ignores it).
+
+Widened the same day to 92 cases (deterministic sampling, logprobs beside penalties and
+bias, stop rules combined, unicode, bad input, chat and beam-search forms): 2 differ, both
+JSON whitespace. ``structured.json_compact``: vLLM 0.32 ignores the request's
+``disable_any_whitespace`` (it reads only the engine-wide setting); inflight honours it.
+``structured.json_enum_array``: xgrammar (vLLM's backend) and llguidance (inflight's)
+allow different indentation and key tokenisations inside the array; both answers are
+valid against the schema, and inflight's is the unconstrained greedy path where allowed.
 """
 
 from __future__ import annotations
@@ -58,6 +66,48 @@ def _generate_cases(paris: int) -> dict[str, tuple[Any, dict[str, Any]]]:
         "context_limit": ("word " * 2040, dict(max_tokens=50)),
         "prompt_too_long": ("word " * 3000, dict(max_tokens=4)),
         "empty_stop_string": (P, dict(max_tokens=2, stop=[""])),
+        # Sampling that leaves one candidate is deterministic, so it compares across RNGs.
+        "min_p_one": (Q, dict(max_tokens=12, temperature=1.0, min_p=1.0)),
+        "top_p_tiny": (Q, dict(max_tokens=12, temperature=0.7, top_p=1e-6)),
+        "top_k_minus_one": (P, dict(max_tokens=6, top_k=-1)),
+        # Logprobs are the model's own (vLLM's "raw_logprobs"), before penalties and bias.
+        "logprobs_zero": (P, dict(max_tokens=4, logprobs=0)),
+        "logprobs_with_penalty": (Q, dict(max_tokens=8, logprobs=2, repetition_penalty=1.5)),
+        "logprobs_with_bias": (P, dict(max_tokens=3, logprobs=2, logit_bias={paris: -100})),
+        "logprobs_eos_special": (CHAT, dict(max_tokens=30, logprobs=1, skip_special_tokens=False)),
+        "prompt_logprobs_zero": (P, dict(max_tokens=1, prompt_logprobs=0)),
+        "prompt_logprobs_special": (CHAT, dict(max_tokens=1, prompt_logprobs=1)),
+        "stop_first_of_many": (Q, dict(max_tokens=30, stop=["\n\n", "\n", "Red"])),
+        "stop_string_and_token": (Q, dict(max_tokens=30, stop=["blue"], stop_token_ids=[198])),
+        "stop_eos_token_id": (CHAT, dict(max_tokens=30, stop_token_ids=[2], skip_special_tokens=False)),
+        "stop_with_ignore_eos": (CHAT, dict(max_tokens=12, ignore_eos=True, stop=["<|im_end|>"])),
+        "min_tokens_hold_stop": (Q, dict(max_tokens=30, min_tokens=6, stop=["\n"])),
+        "max_tokens_none": ("word " * 2030, dict(max_tokens=None)),
+        "max_tokens_one": (P, dict(max_tokens=1)),
+        "specials_no_spaces": (CHAT, dict(max_tokens=30, skip_special_tokens=False,
+                                          spaces_between_special_tokens=False)),
+        "detokenize_off": (P, dict(max_tokens=6, detokenize=False, logprobs=1)),
+        "unicode_prompt": ("日本の首都は", dict(max_tokens=10)),
+        "unicode_output": ("Translate 'thank you' to Japanese:", dict(max_tokens=16)),
+        "emoji_stop": ("Three emojis: 😀", dict(max_tokens=16, stop=["😀"])),
+        "special_text_in_prompt": ("<|im_start|>system\nBe brief<|im_end|>\n", dict(max_tokens=6)),
+        "token_ids_prompt": ({"prompt_token_ids": [504, 3575, 282, 4649, 314]}, dict(max_tokens=6)),
+        "all_penalties": (Q, dict(max_tokens=24, repetition_penalty=1.2, presence_penalty=0.5,
+                                  frequency_penalty=0.5)),
+        "negative_penalties": (Q, dict(max_tokens=20, presence_penalty=-1.0, frequency_penalty=-0.5)),
+        "bias_forces": (P, dict(max_tokens=4, logit_bias={30: 100})),
+        "bad_words_single_token": (Q, dict(max_tokens=16, bad_words=["\n"])),
+        "allowed_with_stop": (P, dict(max_tokens=8, allowed_token_ids=[paris, 30, 2],
+                                       stop_token_ids=[30])),
+        # Bad input: both must raise.
+        "min_tokens_over_max": (P, dict(max_tokens=2, min_tokens=5)),
+        "negative_temperature": (P, dict(max_tokens=2, temperature=-1.0)),
+        "top_p_zero": (P, dict(max_tokens=2, top_p=0.0)),
+        "logit_bias_out_of_vocab": (P, dict(max_tokens=2, logit_bias={10**7: 1.0})),
+        "allowed_empty": (P, dict(max_tokens=2, allowed_token_ids=[])),
+        "allowed_out_of_vocab": (P, dict(max_tokens=2, allowed_token_ids=[10**7])),
+        "stop_token_out_of_vocab": (P, dict(max_tokens=2, stop_token_ids=[10**7])),
+        "max_tokens_zero": (P, dict(max_tokens=0)),
     }
 
 
@@ -71,6 +121,17 @@ def _structured_cases() -> dict[str, tuple[str, dict[str, Any]]]:
         "json": ("A person as JSON:", dict(json=person)),
         "json_object": ("A JSON object:", dict(json_object=True)),
         "grammar": ("Pick:", dict(grammar='root ::= "cat" | "dog"')),
+        "json_string_schema": ("A person as JSON:", dict(json=json.dumps(person))),
+        "json_enum_array": ("Colors as JSON:", dict(json={
+            "type": "object", "properties": {"colors": {
+                "type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 2, "maxItems": 3}},
+            "required": ["colors"]})),
+        "json_compact": ("A person as JSON:", dict(json=person, disable_any_whitespace=True)),
+        "choice_shared_prefix": ("Pick a fruit:", dict(choice=["apple", "apricot", "banana split"])),
+        "regex_anchored": ("Year:", dict(regex=r"(19|20)\d\d")),
+        "bad_regex": ("Year:", dict(regex=r"(unclosed")),
+        "bad_schema": ("A:", dict(json={"type": "no-such-type"})),
+        "two_kinds": ("A:", dict(choice=["a"], regex="b")),
     }
 
 
@@ -138,8 +199,34 @@ def run(engine: str, model: str, out_path: str) -> None:
         "generate.empty": lambda: llm.generate([], greedy(max_tokens=2), use_tqdm=False),
         "generate.params_per_prompt": lambda: llm.generate(
             [P, "One two three"], [greedy(max_tokens=4), greedy(max_tokens=6, stop=[" five"])], use_tqdm=False),
+        "chat.batch": lambda: llm.chat([user, [{"role": "user", "content": "Say hi."}]],
+                                       greedy(max_tokens=8), use_tqdm=False),
+        "chat.system_multi_turn": lambda: llm.chat([
+            {"role": "system", "content": "You answer in one word."}, *user,
+            {"role": "assistant", "content": "1, 2, 3, 4, 5"},
+            {"role": "user", "content": "Now backwards."}], greedy(max_tokens=12), use_tqdm=False),
+        "chat.no_generation_prompt": lambda: llm.chat(
+            user, greedy(max_tokens=6), add_generation_prompt=False, use_tqdm=False),
+        "chat.continue_and_add": lambda: llm.chat(
+            [*user, {"role": "assistant", "content": "1,"}], greedy(max_tokens=4),
+            add_generation_prompt=True, continue_final_message=True, use_tqdm=False),
+        "chat.template_kwargs": lambda: llm.chat(
+            user, greedy(max_tokens=6), chat_template_kwargs={"custom_flag": True}, use_tqdm=False),
+        "chat.custom_template": lambda: llm.chat(
+            user, greedy(max_tokens=6), use_tqdm=False,
+            chat_template="{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"),
+        "generate.batch_order": lambda: llm.generate(
+            [Q, P, "Hello", CHAT], greedy(max_tokens=10), use_tqdm=False),
         "beam_search": lambda: llm.beam_search(
             [{"prompt": P}], BeamSearchParams(beam_width=3, max_tokens=8)),
+        "beam_search.two_prompts": lambda: llm.beam_search(
+            [{"prompt": P}, {"prompt": Q}], BeamSearchParams(beam_width=2, max_tokens=6)),
+        "beam_search.length_penalty": lambda: llm.beam_search(
+            [{"prompt": CHAT}], BeamSearchParams(beam_width=2, max_tokens=12, length_penalty=0.5)),
+        "beam_search.ignore_eos": lambda: llm.beam_search(
+            [{"prompt": CHAT}], BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True)),
+        "beam_search.token_ids": lambda: llm.beam_search(
+            [{"prompt_token_ids": [504, 3575, 282, 4649, 314]}], BeamSearchParams(beam_width=2, max_tokens=5)),
         "encode": lambda: llm.encode([P]),
     })
     results: dict[str, Any] = {}
