@@ -193,6 +193,24 @@ def test_request_settings_are_echoed(client: openai.OpenAI) -> None:
     assert plain.status == "incomplete"
 
 
+def test_vllm_s_response_keys_are_carried(tiny_server: ServerProcess) -> None:
+    """Every key of vLLM 0.32's Response object is there (found by vllm_diff_server.py):
+    its extras as null, the penalties as applied, per-turn usage lists empty (one turn)."""
+    body = _post(tiny_server, {"model": TINY, "input": "w3", "max_output_tokens": 2,
+                               "presence_penalty": 0.5}).json()
+    assert body["presence_penalty"] == 0.5 and body["frequency_penalty"] == 0.0
+    for key in ("prompt", "kv_transfer_params", "ec_transfer_params", "input_messages",
+                "output_messages"):
+        assert key in body and body[key] is None, key
+    assert body["output"][0]["phase"] is None
+    assert body["usage"]["input_tokens_details"] | {"cached_tokens": 0} == {
+        "cached_tokens": 0, "cache_write_tokens": 0, "input_tokens_per_turn": [],
+        "cached_tokens_per_turn": []}
+    assert body["usage"]["output_tokens_details"] == {
+        "reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+        "tool_output_tokens_per_turn": []}
+
+
 def test_logprobs_equal_chat(client: openai.OpenAI) -> None:
     response = _responses(client, input="w3 w4", max_output_tokens=4, top_logprobs=2,
                           include=["message.output_text.logprobs"])

@@ -7,7 +7,8 @@ tools and ``text`` stay plain JSON here: ``serving_responses.py`` checks them it
 item, so a 400 can say which item is wrong.
 
 The answer is OpenAI's ``Response`` object, with the request's settings echoed as vLLM
-echoes them (the effective ``temperature``, ``top_p`` and ``max_output_tokens``).
+echoes them (the effective ``temperature``, ``top_p``, ``max_output_tokens`` and
+penalties), and with every key of vLLM's object (its extras null where unsupported).
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class OutputMessage(_Response):
     role: Literal["assistant"] = "assistant"
     status: str = "in_progress"  # in_progress, completed, or incomplete (cut by length)
     content: list[OutputText] = Field(default_factory=list)
+    phase: None = None  # OpenAI's commentary / final_answer label; vLLM carries it as null
 
 
 class FunctionCall(_Response):
@@ -148,10 +150,16 @@ OutputItem = OutputMessage | FunctionCall
 class InputTokensDetails(_Response):
     cached_tokens: int = 0
     cache_write_tokens: int = 0
+    # vLLM's per-turn counts of its built-in tool loop: empty here, as in vLLM without one.
+    input_tokens_per_turn: list[int] = Field(default_factory=list)
+    cached_tokens_per_turn: list[int] = Field(default_factory=list)
 
 
 class OutputTokensDetails(_Response):
     reasoning_tokens: int = 0
+    tool_output_tokens: int = 0
+    output_tokens_per_turn: list[int] = Field(default_factory=list)
+    tool_output_tokens_per_turn: list[int] = Field(default_factory=list)
 
 
 class ResponseUsage(_Response):
@@ -211,3 +219,11 @@ class ResponsesResponse(_Response):
     store: bool = False  # nothing is kept (see serving_responses.py)
     previous_response_id: None = None
     reasoning: None = None
+    # vLLM's extra keys: the penalties as applied, the rest null (not supported here).
+    prompt: None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    input_messages: None = None
+    output_messages: None = None

@@ -252,6 +252,8 @@ class ResponseReply:
             max_tool_calls=request.max_tool_calls,
             temperature=self.params.temperature,
             top_p=self.params.top_p,
+            presence_penalty=self.params.presence_penalty,
+            frequency_penalty=self.params.frequency_penalty,
             top_logprobs=self.params.logprobs,
             tools=request.tools or [],
             tool_choice=request.tool_choice or "auto",
