@@ -145,11 +145,29 @@ def test_prompt_over_max_model_len(tiny_server: ServerProcess) -> None:
     response = post(tiny_server, "/v1/completions", ok_completion(prompt=long_prompt))
     error = assert_openai_error(response, 400, "prompt", "context_length_exceeded")
     assert "512" in error["message"]
-    response = post(tiny_server, "/v1/completions", ok_completion(prompt=[5] * 500, max_tokens=100))
-    assert_openai_error(response, 400, "max_tokens", "context_length_exceeded")
+    # A prompt that fills the context leaves no room for a token, even with max_tokens 0.
+    for max_tokens in (1, 0):
+        response = post(tiny_server, "/v1/completions",
+                        ok_completion(prompt=[5] * 512, max_tokens=max_tokens, echo=True))
+        assert_openai_error(response, 400, "prompt", "context_length_exceeded")
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5 " * 600}]}
     response = post(tiny_server, "/v1/chat/completions", chat)
     assert_openai_error(response, 400, "messages", "context_length_exceeded")
+
+
+def test_max_tokens_past_the_context_is_cut_to_the_room_left(tiny_server: ServerProcess) -> None:
+    """vLLM 0.32 clamps max_tokens to what the context leaves, on every route (found by
+    vllm_diff_server.py; older vLLM and OpenAI answer a 400)."""
+    body = ok_completion(prompt=[5] * 500, max_tokens=100, ignore_eos=True)
+    choice, usage = (lambda r: (r["choices"][0], r["usage"]))(
+        post(tiny_server, "/v1/completions", body).json())
+    assert (choice["finish_reason"], usage["completion_tokens"]) == ("length", 12)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5 " * 480}],
+            "max_completion_tokens": 100, "ignore_eos": True, "temperature": 0}
+    answer = post(tiny_server, "/v1/chat/completions", chat).json()
+    room = 512 - answer["usage"]["prompt_tokens"]
+    assert 0 < room < 100 and answer["usage"]["completion_tokens"] == room
+    assert answer["choices"][0]["finish_reason"] == "length"
 
 
 def test_bad_chat_template(tiny_server: ServerProcess) -> None:
@@ -245,14 +263,14 @@ def test_vllm_wording_for_prompts(tiny_server: ServerProcess) -> None:
     )
     assert error["message"] == "The decoder prompt cannot be empty"
     error = assert_openai_error(
-        post(tiny_server, "/v1/completions", ok_completion(prompt=[5] * 500, max_tokens=100)),
+        post(tiny_server, "/v1/completions", ok_completion(prompt=[5] * 513)),
         400,
-        "max_tokens",
+        "prompt",
         "context_length_exceeded",
     )
     assert error["message"].startswith(
-        "This model's maximum context length is 512 tokens. However, you requested 100 output "
-        "tokens and your prompt contains 500 input tokens, for a total of 600 tokens."
+        "This model's maximum context length is 512 tokens. However, your prompt contains 513 "
+        "input tokens, which exceeds this limit even without any output tokens."
     )
 
 

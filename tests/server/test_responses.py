@@ -324,7 +324,6 @@ def test_streamed_logprobs_join_to_the_unstreamed(client: openai.OpenAI) -> None
         ({"max_output_tokens": "8"}, 400, "max_output_tokens", "Invalid value"),
         ({"temperature": 3}, 400, "temperature", "less than or equal"),
         ({"top_logprobs": 21}, 400, "top_logprobs", "less than or equal"),
-        ({"max_output_tokens": 100000}, 400, "max_output_tokens", "maximum context length"),
         ({"input": "w3 " * 600}, 400, "input", "maximum context length"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          400, "input", "input_image"),
@@ -383,9 +382,16 @@ def test_bad_requests_are_openai_errors(
 
 
 def test_context_overflow_uses_vllms_wording(tiny_server: ServerProcess) -> None:
-    error = _post(tiny_server, {"model": TINY, "input": "w3", "max_output_tokens": 100000}).json()
+    error = _post(tiny_server, {"model": TINY, "input": "w3 " * 600}).json()
     assert error["error"]["code"] == "context_length_exceeded"
     assert error["error"]["message"].startswith("This model's maximum context length is ")
+
+
+def test_max_output_tokens_past_the_context_is_cut_to_the_room_left(client: openai.OpenAI) -> None:
+    """As vLLM 0.32: the limit is clamped to what the context leaves, and echoed so."""
+    response = _responses(client, input="w3 " * 500, max_output_tokens=100000)
+    assert response.max_output_tokens == 512 - 500 == response.usage.output_tokens
+    assert response.status == "incomplete"
 
 
 def test_api_key_is_required(tiny_server: ServerProcess) -> None:

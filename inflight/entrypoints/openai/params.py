@@ -87,27 +87,24 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def check_length(
-    num_prompt_tokens: int,
-    max_tokens: int | None,
-    max_model_len: int,
-    param: str,
-    max_tokens_param: str = "max_tokens",
-) -> None:
-    """The prompt plus the tokens asked for (at least one) must fit in the context."""
-    num_output = 1 if max_tokens is None else max_tokens
-    total = num_prompt_tokens + num_output
-    if total <= max_model_len:
-        return
-    # The parameter to fix: the prompt when it alone leaves no room, else max_tokens.
-    too_long = param if num_prompt_tokens >= max_model_len else max_tokens_param
-    raise bad_request(
-        f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {num_output} output tokens and your prompt contains {num_prompt_tokens} "
-        f"input tokens, for a total of {total} tokens. Please reduce the length of the "
-        "input prompt or the number of requested output tokens.",
-        too_long,
-        "context_length_exceeded",
-    )
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
+) -> int | None:
+    """``max_tokens`` cut to the room the prompt leaves in the context, as vLLM 0.32 cuts
+    it (``get_max_tokens``; older vLLM and OpenAI refuse a request asking for more). A
+    prompt that leaves no room for one token is refused, even with ``max_tokens: 0``."""
+    if num_prompt_tokens >= max_model_len:
+        why = (
+            "leaves no room for an output token" if num_prompt_tokens == max_model_len
+            else "exceeds this limit even without any output tokens"
+        )
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {num_prompt_tokens} input tokens, which {why}. Please reduce "
+            "the length of the input prompt.",
+            param,
+            "context_length_exceeded",
+        )
+    return None if max_tokens is None else min(max_tokens, max_model_len - num_prompt_tokens)
 
 
 def sampling_params(

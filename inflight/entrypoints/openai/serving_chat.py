@@ -108,12 +108,8 @@ async def _serve(
         documents=request.documents,
     )
     rendered, token_ids = await off_loop(_prepare_prompt, state, request, options, tools)
-    max_tokens = max_tokens_of(request)
-    max_tokens_param = (
-        "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    )
-    check_length(
-        len(token_ids), max_tokens, state.engine.max_model_len, "messages", max_tokens_param
+    max_tokens = check_length(
+        len(token_ids), max_tokens_of(request), state.engine.max_model_len, "messages"
     )
     params = tool_answer_params(
         sampling_params(request, max_tokens, constraint, state.engine.default_sampling_params),

@@ -198,6 +198,8 @@ def _checked(state: ServerState, request: CompletionRequest, prompt: Prompt) -> 
     if len(truncated) != len(token_ids):
         text = None  # the engine detokenizes what is left
     check_prompt_ids(truncated, state.engine.vocab_size, "prompt")
+    # One request's prompts share their sampling parameters: the engine ends each answer
+    # where the context does, as the clamped max_tokens would.
     check_length(len(truncated), request.max_tokens, max_model_len, "prompt")
     return text, truncated
 

@@ -116,9 +116,8 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
     )
     token_ids = await off_loop(_prompt_ids, state, request, tools)
     max_model_len = state.engine.max_model_len
-    check_length(
-        len(token_ids), request.max_output_tokens, max_model_len, "input", "max_output_tokens"
-    )
+    check_length(len(token_ids), request.max_output_tokens, max_model_len, "input")
+    room = max_model_len - len(token_ids)  # the engine ends the answer there
     state.log_request(request.request_id, [(None, token_ids)], params)
     (stream,) = await add_requests(
         state.engine,
@@ -136,8 +135,8 @@ async def _serve(state: ServerState, request: ResponsesRequest, arrival_time: fl
         request=request,
         model=model,
         params=params,
-        # vLLM echoes the effective limit: what the context leaves when none was asked for.
-        max_output_tokens=params.max_tokens or max_model_len - len(token_ids),
+        # vLLM echoes the effective limit: at most what the context leaves.
+        max_output_tokens=min(params.max_tokens or room, room),
         tools=tools,
         tool_choice=tool_choice,
         decode=lambda token_id: str(tokenizer.decode([token_id])),
