@@ -88,6 +88,11 @@ def build_calibrate_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run_calibrate)
 
 
+def _or(value: int | None, default: int) -> int:
+    """``value`` unless it was not given (0 is a value, refused later, not the default)."""
+    return default if value is None else value
+
+
 def _csv(values: tuple[int, ...]) -> str:
     return ",".join(str(v) for v in values)
 
@@ -106,8 +111,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         records = StepTrace.read_jsonl(args.from_trace)
         cost = fit_trace(
             records, source=f"trace {args.from_trace}", skip_steps=args.skip_steps,
-            kv_bytes_per_token=args.kv_bytes_per_token or SMOLLM2_KV_BYTES_PER_TOKEN,
-            max_model_len=args.max_model_len or SMOLLM2_MAX_MODEL_LEN,
+            kv_bytes_per_token=_or(args.kv_bytes_per_token, SMOLLM2_KV_BYTES_PER_TOKEN),
+            max_model_len=_or(args.max_model_len, SMOLLM2_MAX_MODEL_LEN),
             info={"trace": str(args.from_trace), "num_steps": len(records)},
         )
     else:

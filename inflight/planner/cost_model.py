@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -123,6 +124,9 @@ class CostModel:
     num_outliers: int = 0
     info: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_cost_model(self)
+
     @property
     def coefficients(self) -> list[float]:
         return [
@@ -191,6 +195,44 @@ class CostModel:
         if self.num_outliers:
             lines.append(f"  {self.num_outliers} slowed-down training steps left out of the fit")
         return "\n".join(lines)
+
+
+COEFFICIENT_NAMES = (
+    "intercept_s", "per_prefill_token_s", "per_prefill_chunk_s", "per_decode_seq_s",
+    "per_decode_kv_token_s", "per_prefill_kv_pair_s",
+)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def times_every_step(coefficients: Sequence[float]) -> bool:
+    """Whether every step takes time: a step has at least one prefill or decode entry, so
+    it needs an intercept, or else a cost for prefill entries and one for decodes."""
+    a, b, c, d, e, f = coefficients
+    return bool(a or ((b or c or f) and (d or e)))
+
+
+def check_cost_model(model: CostModel) -> None:
+    """ValueError naming the field unless ``model`` can time steps: every coefficient a
+    finite number >= 0, and every step (at least one prefill or decode entry) taking
+    time; the model's KV bytes per token >= 1 and context length >= 2 (whole numbers)."""
+    for name in COEFFICIENT_NAMES:
+        value = getattr(model, name)
+        if not _is_number(value) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    for name, low in (("kv_bytes_per_token", 1), ("max_model_len", 2)):
+        value = getattr(model, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+    if not times_every_step(model.coefficients):
+        raise ValueError(
+            "the cost model would time some steps at 0 s: it needs a positive intercept_s, "
+            "or a positive prefill cost and a positive decode cost"
+        )
+    if not isinstance(model.source, str):
+        raise ValueError(f"source must be a string, got {model.source!r}")
 
 
 # Used when no calibration exists on a machine. Not a step-level calibration: fitted by
@@ -325,6 +367,12 @@ def fit(
     train = ~np.array(held)
     coef, num_outliers = _robust_fit(x[train], y[train])
     a, b, c, d, e, f = (float(v) for v in coef)
+    if not times_every_step([a, b, c, d, e, f]):
+        raise ValueError(
+            f"the fit of {int(train.sum())} steps times some steps at 0 s (no intercept, and "
+            "no cost for prefill or for decode steps): the trace is too short or too noisy; "
+            "fit a longer trace, or calibrate on a quieter machine"
+        )
     model = CostModel(
         a, b, c, d, e, f,
         kv_bytes_per_token=kv_bytes_per_token,

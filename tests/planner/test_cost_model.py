@@ -8,6 +8,7 @@ included, to recover the coefficients.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 
@@ -123,3 +124,53 @@ def test_default_kv_cache_is_sized_like_the_engines() -> None:
     assert config.num_kv_blocks == (2 << 30) // (23040 * 16) == 5825
     small = make_sim_config(BUILTIN, max_num_seqs=2, max_model_len=1024)
     assert small.num_kv_blocks == 2 * 1024 // 16 + 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"intercept_s": -0.01}, "intercept_s"),
+        ({"per_prefill_token_s": -1e-4}, "per_prefill_token_s"),
+        ({"per_decode_seq_s": float("nan")}, "per_decode_seq_s"),
+        ({"per_decode_kv_token_s": float("inf")}, "per_decode_kv_token_s"),
+        ({"intercept_s": "fast"}, "intercept_s"),
+        ({"intercept_s": True}, "intercept_s"),
+        ({"kv_bytes_per_token": 0}, "kv_bytes_per_token"),
+        ({"kv_bytes_per_token": 1.5}, "kv_bytes_per_token"),
+        ({"max_model_len": -1}, "max_model_len"),
+        # every step would take 0 s: no intercept, and decodes cost nothing
+        ({"intercept_s": 0.0, "per_decode_seq_s": 0.0, "per_decode_kv_token_s": 0.0}, "0 s"),
+        ({**dict.fromkeys(KNOWN.__dataclass_fields__, 0.0), "source": "zero",
+          "kv_bytes_per_token": 2, "max_model_len": 16, "held_out": None, "info": {},
+          "num_fit_steps": 0, "num_outliers": 0}, "0 s"),
+    ],
+)
+def test_a_cost_model_that_cannot_time_steps_is_refused(tmp_path, fields, named) -> None:
+    """Negative, NaN, infinite or non-numeric costs and impossible model sizes would
+    simulate negative or zero-length steps (or crash mid-run): refused when built and
+    when loaded, with the field named."""
+    with pytest.raises(ValueError, match=named):
+        replace(KNOWN, **fields)
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({**KNOWN.to_json(), **fields}))
+    with pytest.raises(ValueError, match=f"{path} is not a cost model.*{named}"):
+        CostModel.load(path)
+
+
+def test_prefill_and_decode_costs_without_intercept_are_enough() -> None:
+    """A fit may drop the intercept: every step still takes time."""
+    model = replace(KNOWN, intercept_s=0.0)
+    assert model.step_time(StepFeatures(decode_seqs=1, decode_kv_tokens=10)) > 0
+    assert model.step_time(StepFeatures(prefill_tokens=4, prefill_chunks=1)) > 0
+
+
+def test_a_fit_that_would_time_steps_at_zero_is_refused(tmp_path, monkeypatch) -> None:
+    """When the best non-negative fit (of a short, noisy trace) has no intercept and no
+    decode cost, calibrating fails with a line saying so, instead of saving a model that
+    simulates free decode steps."""
+    _, records = _simulated_trace(tmp_path)
+    no_intercept_no_decode = np.array([0.0, 3e-4, 2e-3, 0.0, 0.0, 6e-9])
+    monkeypatch.setattr("inflight.planner.cost_model._robust_fit",
+                        lambda x, y: (no_intercept_no_decode, 0))
+    with pytest.raises(ValueError, match="times some steps at 0 s.*too short or too noisy"):
+        fit_trace(records, source="noisy")

@@ -132,3 +132,31 @@ def test_validate_replays_really_and_in_simulation(tiny_llama_dir: Path, tmp_pat
     assert {"median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "p99_e2el_ms"} <= set(run["errors"])
     assert run["step_error"]["num_steps"] == measured["num_steps"] > 0
     assert len((tmp_path / "trace_real_1.jsonl").read_text().splitlines()) == measured["num_steps"]
+
+
+def test_bad_cost_models_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cost file with negative, zero or non-numeric costs, and a calibration for an
+    impossible context length, are refused by name (exit 2), not simulated as nonsense
+    (negative durations) or crashed on (division by zero, TypeError)."""
+    out = ["--output-dir", str(tmp_path / "sim"), "--no-plots"]
+    base = json.loads(json.dumps(CostModel(intercept_s=0.01).to_json()))
+    for fields in ({"intercept_s": -1.0}, {"intercept_s": 0.0}, {"intercept_s": "fast"},
+                   {"kv_bytes_per_token": 0}):
+        cost = tmp_path / "cost.json"
+        cost.write_text(json.dumps({**base, **fields}))
+        assert main(["simulate", "--workload", "seed8", "--cost", str(cost), *out]) == 2
+        err = capsys.readouterr().err
+        assert f"inflight: error: {cost} is not a cost model" in err and next(iter(fields)) in err
+    trace = tmp_path / "trace.jsonl"
+    assert main(["simulate", "--workload", "seed8", *out]) == 0
+    (tmp_path / "sim" / "trace_simulated_continuous.jsonl").rename(trace)
+    capsys.readouterr()
+    for length in ("0", "1"):  # (-1 is vLLM's "auto": the default)
+        code = main(["calibrate", "--from-trace", str(trace), "--max-model-len", length,
+                     "--output", str(tmp_path / "c.json")])
+        assert code == 2
+        assert "max_model_len must be a whole number >= 2" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
+
