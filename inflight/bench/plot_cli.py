@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from inflight.output_paths import prepare_output_dir
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -39,11 +41,12 @@ def run(args: argparse.Namespace) -> int:
     labels = args.label or [Path(p).stem for p in args.traces]
     if len(labels) != len(args.traces):
         raise ValueError(f"{len(labels)} --label for {len(args.traces)} traces")
+    out_dir = Path(args.out_dir) if args.out_dir else Path(args.traces[0]).parent
+    prepare_output_dir(out_dir, "--out-dir")
     traces = [
         LabelledTrace(label, StepTrace.read_jsonl(path))
         for label, path in zip(labels, args.traces, strict=True)
     ]
-    out_dir = Path(args.out_dir) if args.out_dir else Path(args.traces[0]).parent
     for path in draw_all(traces, out_dir):
         print(path)
     return 0

@@ -23,6 +23,7 @@ from inflight.bench.cli_types import int_at_least, ints_at_least, seconds
 from inflight.bench.workloads import rate_arg
 from inflight.config import BATCHING_MODES, DEFAULT_BLOCK_SIZE, SCHEDULING_POLICIES
 from inflight.entrypoints.engine_args import DTYPES
+from inflight.output_paths import prepare_output_dir, prepare_output_file
 
 DEFAULT_OUTPUT_DIR = "planner-results"
 
@@ -107,6 +108,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         fit_trace,
     )
 
+    output = prepare_output_file(args.output or default_calibration_path(), "--output")
+    if args.trace_out:
+        prepare_output_file(args.trace_out, "--trace-out")
     if args.from_trace:
         records = StepTrace.read_jsonl(args.from_trace)
         cost = fit_trace(
@@ -127,7 +131,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         cost, records = calibrate(args.model, engine_options(args), plan, args.threads)
         if args.trace_out:
             StepTrace(enabled=True, records=records).write_jsonl(args.trace_out)
-    path = cost.save(args.output or default_calibration_path())
+    path = cost.save(output)
     print(cost.describe())
     print(f"fitted on {cost.num_fit_steps} steps; saved: {path}")
     return 0
@@ -220,6 +224,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     options = sim_options(args)
     modes = ["static", "continuous"] if args.compare else [args.batching]
     out_dir = Path(args.output_dir or Path(DEFAULT_OUTPUT_DIR) / _safe(Path(args.workload).stem))
+    prepare_output_dir(out_dir, "--output-dir")  # before the runs, not after them
     if args.validate:
         return _validate(args, spec, cost, options, out_dir)
     if args.sweep:

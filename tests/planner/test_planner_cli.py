@@ -160,3 +160,36 @@ def test_bad_cost_models_are_one_line_errors(
         assert "max_model_len must be a whole number >= 2" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
 
+
+def test_unwritable_outputs_are_refused_before_the_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An --output that is a folder, or an --output-dir that is a file or cannot be
+    created, is one line naming the option, said before minutes of calibration or a
+    whole sweep, not after."""
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the work ran before the output was checked")
+
+    monkeypatch.setattr("inflight.planner.calibrate.calibrate", must_not_run)
+    monkeypatch.setattr("inflight.planner.sweep.run_sweep", must_not_run)
+    monkeypatch.setattr("inflight.planner.simulator.simulate", must_not_run)
+    cases = [
+        (["calibrate", "--output", str(tmp_path)], f"--output {tmp_path} is a folder, not a file"),
+        (["calibrate", "--output", f"{a_file}/c.json"], "is a file, not a folder"),
+        (["calibrate", "--output", str(tmp_path / "c.json"), "--trace-out", str(tmp_path)],
+         "--trace-out"),
+        (["simulate", "--workload", "seed8", "--output-dir", str(a_file)],
+         f"--output-dir {a_file} is a file, not a folder"),
+        (["simulate", "--workload", "seed8", "--sweep", "max_num_seqs=1,2",
+          "--output-dir", f"{a_file}/sub"], "cannot be created"),
+        (["plot", str(a_file), "--out-dir", str(a_file)], "--out-dir"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        (line,) = captured.err.strip().splitlines()[-1:]
+        assert line.startswith("inflight: error: ") and message in line, (argv, line)
+        assert "Traceback" not in captured.err and "req/s" not in captured.out
