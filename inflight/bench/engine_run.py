@@ -84,15 +84,17 @@ def summarise(
     options: dict[str, Any],
     num_cached_tokens: int = 0,
 ) -> BenchReport:
-    """The report fields every engine shares, from a finished run."""
+    """The report fields every engine shares, from a finished run. Requests and tokens
+    are counted from ``latencies`` (what was served), not from the workload's asks: a
+    request capped by the context length makes fewer tokens than its ``max_tokens``."""
     return BenchReport(
         label=label,
         engine=engine,
         batching=batching,
         workload=workload.name,
-        num_requests=len(workload.requests),
-        num_prompt_tokens=workload.num_prompt_tokens,
-        num_output_tokens=workload.num_output_tokens,
+        num_requests=len(latencies),
+        num_prompt_tokens=sum(x.num_prompt_tokens for x in latencies),
+        num_output_tokens=sum(x.num_output_tokens for x in latencies),
         wall_time_s=wall_time_s,
         num_steps=len(records),
         num_preemptions=num_preemptions,

@@ -143,3 +143,42 @@ def test_arrivals_wait_for_their_time_and_an_idle_engine_jumps_ahead() -> None:
     )
     assert second.token_times[0] == pytest.approx(100.0 + step_prefill)
     assert result.serve_summary()["mean_ttft_ms"] == pytest.approx(step_prefill * 1e3)
+
+
+def _consistency_cases() -> dict[str, tuple[Workload, dict]]:
+    capped = Workload("capped", [  # the first asks for more than the 256-token context
+        WorkloadRequest(0, list(range(1000, 1100)), 400, 0.0),
+        WorkloadRequest(1, list(range(2000, 2040)), 30, 0.05),
+    ])
+    return {
+        "online": (workloads.online(4.0).head(40), {}),
+        "mixed-small-cache": (workloads.mixed().head(30),
+                              dict(max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=120)),
+        "seed8-static": (workloads.seed8(), dict(batching="static", max_num_seqs=8)),
+        "capped-by-context": (capped, dict(max_model_len=256)),
+        "all-at-once": (Workload("t0", [WorkloadRequest(i, [5 + i] * 20, 10) for i in range(30)]),
+                        dict(max_num_seqs=4)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_consistency_cases()))
+def test_the_reports_agree_with_themselves(case: str) -> None:
+    """Throughput x duration = tokens in both reports (the bench table counts the tokens
+    made, not the workload's max_tokens: a request capped by the context makes fewer),
+    percentiles are ordered, no request finishes before its first token, and the engine
+    is never busy longer than the run."""
+    workload, options = _consistency_cases()[case]
+    result = simulate(workload, UNIT_COST, **options)
+    serve, bench = result.serve_summary(), result.bench_report()
+    made = sum(len(r.token_times) for r in result.requests)
+    assert serve["total_output_tokens"] == bench.num_output_tokens == made
+    assert serve["output_throughput"] * serve["duration_s"] == pytest.approx(made)
+    assert bench.output_tokens_per_s * bench.wall_time_s == pytest.approx(made)
+    assert bench.num_prompt_tokens == serve["total_input_tokens"]
+    for stat in ("ttft", "tpot", "itl", "e2el"):
+        ordered = [serve[f"{p}_{stat}_ms"] for p in ("median", "p95", "p99")]
+        assert ordered == sorted(ordered), stat
+    assert all(x.ttft_s <= x.e2e_s for x in bench.requests)
+    assert 0 < result.busy_s <= result.duration_s + 1e-9
+    if case == "capped-by-context":
+        assert made == (256 - 100) + 30
