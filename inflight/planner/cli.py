@@ -244,6 +244,8 @@ def _single(args: argparse.Namespace, spec: Any, cost: Any, options: dict[str, A
     out_dir.mkdir(parents=True, exist_ok=True)
     for result in results:
         summary = result.serve_summary()
+        if note := result.refusal_note():
+            print(f"note: {result.label}: {note}", file=sys.stderr)
         print(f"\n{result.label}: {workload.name}, {len(workload.requests)} requests")
         print(format_report(summary))
         print(
@@ -295,6 +297,9 @@ def _sweep(args: argparse.Namespace, spec: Any, cost: Any, options: dict[str, An
 
     key, values = parse_sweep(args.sweep)
     points = run_sweep(spec, key, values, cost, options, modes, args.request_rate)
+    for p in points:
+        if p.note:
+            print(f"note: {p.batching}, {key}={p.value:g}: {p.note}", file=sys.stderr)
     print(format_sweep_table(points, key, args.ttft_slo))
     if args.ttft_slo is not None:
         print()

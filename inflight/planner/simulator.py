@@ -34,7 +34,7 @@ from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler
 from inflight.engine.step_trace import StepRecord, record_step
 from inflight.planner.cost_model import CostModel, StepFeatures
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import InvalidRequestError, SamplingParams
 
 # Fake output token ids stay in this range (any vocabulary of the default model's size).
 _TOKEN_LOW, _TOKEN_SPAN = 1000, 48000
@@ -102,6 +102,9 @@ class SimRequest:
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Why the engine refused it (as the server answers 400), e.g. a prompt over the
+    # context length; empty when it was served.
+    error: str = ""
 
     @property
     def latency(self) -> RequestLatency:
@@ -125,9 +128,26 @@ class SimResult:
     sim_wall_s: float  # real seconds the simulation took
 
     @property
+    def served(self) -> list[SimRequest]:
+        return [r for r in self.requests if not r.error]
+
+    @property
+    def refused(self) -> list[SimRequest]:
+        """Requests the engine refused when they were added (the server's 400s)."""
+        return [r for r in self.requests if r.error]
+
+    def refusal_note(self) -> str | None:
+        """One line on the refused requests, if any."""
+        refused = self.refused
+        if not refused:
+            return None
+        return (f"{len(refused)} of {len(self.requests)} requests refused, as the server "
+                f"would answer them (400); the first: {refused[0].error}")
+
+    @property
     def duration_s(self) -> float:
         """Virtual seconds from the start (time 0) to the last request's end."""
-        return max((r.token_times[-1] for r in self.requests), default=0.0)
+        return max((r.token_times[-1] for r in self.served), default=0.0)
 
     @property
     def busy_s(self) -> float:
@@ -170,7 +190,7 @@ class SimResult:
             f"simulated {self.config.scheduler.batching}", "inflight (simulated)",
             self.config.scheduler.batching, self.workload, self.duration_s, self.records,
             self.config.scheduler.max_num_seqs, self.num_preemptions,
-            [r.latency for r in self.requests], {**self.config.describe(), "cost": self.cost.source},
+            [r.latency for r in self.served], {**self.config.describe(), "cost": self.cost.source},
         )
         report.peak_rss_mib = 0.0  # nothing was loaded
         return report
@@ -186,6 +206,7 @@ def serve_summary(requests: list[SimRequest], duration_s: float) -> dict[str, An
             ttft=r.token_times[0] - r.arrival_s, latency=r.token_times[-1] - r.arrival_s,
             itl=[b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)],
         )
+        if not r.error else RequestResult(ok=False, error=r.error)
         for r in requests
     ]
     return summarize(results, duration_s)
@@ -222,12 +243,16 @@ class Simulator:
                 sim_requests.append(self._add(pending[next_index]))
                 next_index += 1
             if not self.scheduler.has_unfinished_requests():
+                if next_index == len(pending):
+                    break  # the last arrivals were refused
                 self.clock = pending[next_index].arrival_s  # idle until the next arrival
                 continue
             if not self.step():
                 if next_index == len(pending):
                     raise RuntimeError("the scheduler made no progress with requests waiting")
                 self.clock = max(self.clock, pending[next_index].arrival_s)
+        if sim_requests and all(r.error for r in sim_requests):
+            raise ValueError(f"no request of {workload.name} can be served: {sim_requests[0].error}")
         return SimResult(
             label or f"simulated {self.config.scheduler.batching}", workload, self.config,
             self.cost, self.records, sim_requests, self.scheduler.num_preemptions,
@@ -242,8 +267,12 @@ class Simulator:
             sampling_params=params, arrival_time=item.arrival_s,
             max_model_len=self.config.scheduler.max_model_len,
         )
-        self.scheduler.add_request(request)
         sim = SimRequest(request_id, item.arrival_s, len(item.prompt_token_ids))
+        try:
+            self.scheduler.add_request(request)
+        except InvalidRequestError as error:  # refused, as the server answers it (400)
+            sim.error = f"request {request_id}: {error}"
+            return sim
         self._requests[request_id] = sim
         return sim
 

@@ -90,6 +90,7 @@ class SweepPoint:
     value: float
     batching: str
     summary: dict[str, Any]  # SimResult.serve_summary()
+    note: str | None = None  # SimResult.refusal_note()
 
     @property
     def p99_ttft_s(self) -> float:
@@ -110,7 +111,9 @@ def run_sweep(
             else:
                 run_options[key] = value
             result = simulate(spec.build(point_rate), cost, **run_options)
-            points.append(SweepPoint(value, mode, result.serve_summary()))
+            points.append(
+                SweepPoint(value, mode, result.serve_summary(), result.refusal_note())
+            )
     return points
 
 

@@ -193,3 +193,24 @@ def test_unwritable_outputs_are_refused_before_the_work(
         (line,) = captured.err.strip().splitlines()[-1:]
         assert line.startswith("inflight: error: ") and message in line, (argv, line)
         assert "Traceback" not in captured.err and "req/s" not in captured.out
+
+
+def test_simulate_names_the_requests_the_engine_would_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One prompt over the context among others: a note, its request failed, the rest
+    predicted; exit 0. The same prompt alone: one error line, exit 2."""
+    rows = [{"id": 0, "prompt_token_ids": [7] * 9000, "max_tokens": 3, "arrival_s": 0},
+            {"id": 1, "prompt_token_ids": [8] * 100, "max_tokens": 30, "arrival_s": 0}]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = ["--output-dir", str(tmp_path / "sim"), "--no-plots"]
+    assert main(["simulate", "--workload", str(workload), *out]) == 0
+    captured = capsys.readouterr()
+    assert "note: simulated continuous: 1 of 2 requests refused" in captured.err
+    assert "request 0: This model's maximum context length is 8192 tokens" in captured.err
+    serve = json.loads((tmp_path / "sim" / "simulation.json").read_text())["runs"][0]["serve"]
+    assert (serve["completed"], serve["failed"], serve["total_output_tokens"]) == (1, 1, 30)
+    workload.write_text(json.dumps(rows[0]) + "\n")
+    assert main(["simulate", "--workload", str(workload), *out]) == 2
+    assert "inflight: error: no request of w can be served" in capsys.readouterr().err

@@ -182,3 +182,25 @@ def test_the_reports_agree_with_themselves(case: str) -> None:
     assert 0 < result.busy_s <= result.duration_s + 1e-9
     if case == "capped-by-context":
         assert made == (256 - 100) + 30
+
+
+def test_a_request_the_engine_refuses_fails_alone() -> None:
+    """A prompt over the context, or one needing more KV blocks than the cache has, is
+    refused as the server refuses it (a 400): counted as failed, the rest simulated;
+    the run stops with one error only when no request can be served."""
+    long_prompt = WorkloadRequest(1, list(range(1000, 1300)), 5, 0.02)  # > max_model_len
+    huge_output = WorkloadRequest(3, list(range(3000, 3010)), 200, 0.5)  # > the KV cache
+    ok = [WorkloadRequest(0, list(range(2000, 2040)), 8, 0.0),
+          WorkloadRequest(2, list(range(4000, 4020)), 4, 0.04)]
+    workload = Workload("some-too-long", [ok[0], long_prompt, ok[1], huge_output])
+    result = simulate(workload, UNIT_COST, max_model_len=256, num_kv_blocks=8)
+    summary = result.serve_summary()
+    assert (summary["completed"], summary["failed"]) == (2, 2)
+    assert summary["total_output_tokens"] == 8 + 4
+    assert [r.request_id for r in result.refused] == ["1", "3"]
+    note = result.refusal_note()
+    assert note is not None and note.startswith("2 of 4 requests refused")
+    assert "request 1: This model's maximum context length is 256 tokens" in note
+    assert result.bench_report().num_requests == 2
+    with pytest.raises(ValueError, match="no request of only-long can be served: request 1: "):
+        simulate(Workload("only-long", [long_prompt]), UNIT_COST, max_model_len=256)
