@@ -67,9 +67,13 @@ class LabelledTrace:
 
 
 def timeline_grid(records: Sequence[StepRecord]) -> np.ndarray:
-    """``[num_slots, num_steps]`` cell codes (see EMPTY..DECODE_B)."""
-    num_slots = max((r.num_slots for r in records), default=0)
-    num_slots = max([num_slots, *(e.slot + 1 for r in records for e in r.entries)])
+    """``[slots, num_steps]`` cell codes (see EMPTY..DECODE_B), one row per slot up to the
+    highest that ever held a request: the slots after it are empty throughout, and a
+    trace of max_num_seqs=1e9 must not allocate a billion rows."""
+    num_slots = max(
+        [0, *(e.slot + 1 for r in records for e in r.entries),
+         *(slot + 1 for r in records for slot in r.idle_slots)]
+    )
     grid = np.full((num_slots, len(records)), EMPTY, dtype=np.int8)
     owner: list[str | None] = [None] * num_slots
     shade = [1] * num_slots  # flips when a new request takes the slot
@@ -122,9 +126,10 @@ def timeline_figure(traces: Sequence[LabelledTrace]) -> Figure:
         ax.set_ylabel("batch slot")
         work = int(np.isin(full, (PREFILL_A, PREFILL_B, DECODE_A, DECODE_B)).sum())
         idle = int((full == IDLE).sum())
-        size = max(full.size, 1)
+        num_slots = max([full.shape[0], *(r.num_slots for r in trace.records)])
+        size = max(num_slots * full.shape[1], 1)
         ax.set_title(
-            f"{trace.label}: {full.shape[1]} steps, {len(slots)} of {full.shape[0]} slots "
+            f"{trace.label}: {full.shape[1]} steps, {len(slots)} of {num_slots} slots "
             f"used; slot-steps working {work / size:.0%}, idle {idle / size:.0%}, "
             f"empty {1 - (work + idle) / size:.0%}",
             fontsize=10,

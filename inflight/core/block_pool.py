@@ -12,7 +12,10 @@ Free and cached-free blocks share one queue whose order is the eviction order
 (least recently released first, as in vLLM V1): allocation takes from the front, and when
 the block it takes holds a cached hash, that hash leaves the index (lazy eviction).
 Releasing appends at the back; taking back a cached-free block removes it from the middle
-(O(1) with an ordered dict).
+(O(1) with an ordered dict). Blocks never taken yet are the queue's front, in id order
+(releases only ever join the back), so they are kept as a counter and get their state
+when first taken: a pool's memory follows its use, not its size (the planner may
+simulate a cache of millions of blocks).
 
 ::
 
@@ -45,20 +48,26 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"a KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._meta = [_BlockMeta() for _ in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._meta: list[_BlockMeta] = []  # blocks 0 .. _num_taken-1, ever taken
+        # Released blocks, in release order: the queue after the never-taken ones.
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockHash, int] = {}
+
+    @property
+    def _num_taken(self) -> int:
+        """Blocks ever allocated; ids from here on are free and have never held KV."""
+        return len(self._meta)
 
     # ------------------------------------------------------------------ counts
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take: free ones and cached-free ones (evictable)."""
-        return len(self._free)
+        return self.num_blocks - self._num_taken + len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._num_taken - len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -70,16 +79,20 @@ class BlockPool:
         return self.num_used_blocks / self.num_blocks
 
     def ref_cnt(self, block_id: int) -> int:
-        return self._meta[block_id].ref_cnt
+        return self._meta[block_id].ref_cnt if block_id < self._num_taken else 0
 
     # ------------------------------------------------------------------ allocation
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` blocks from the front of the queue, evicting their cached hashes;
         the caller checks ``num_free_blocks`` first."""
-        assert count <= len(self._free), "allocate() beyond the free blocks"
+        assert count <= self.num_free_blocks, "allocate() beyond the free blocks"
         blocks = []
         for _ in range(count):
+            if self._num_taken < self.num_blocks:  # the queue's front: never taken yet
+                blocks.append(self._num_taken)
+                self._meta.append(_BlockMeta(ref_cnt=1))
+                continue
             block_id, _ = self._free.popitem(last=False)
             meta = self._meta[block_id]
             if meta.block_hash is not None:
@@ -100,7 +113,7 @@ class BlockPool:
     def num_free_if_touched(self, block_ids: list[int]) -> int:
         """Free blocks left after :meth:`touch` of ``block_ids`` (which it does not do)."""
         reclaimed = sum(1 for b in block_ids if self._meta[b].ref_cnt == 0)
-        return len(self._free) - reclaimed
+        return self.num_free_blocks - reclaimed
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; blocks nobody holds join the back of the
@@ -132,7 +145,7 @@ class BlockPool:
         self._index[block_hash] = block_id
 
     def is_registered(self, block_id: int) -> bool:
-        return self._meta[block_id].block_hash is not None
+        return block_id < self._num_taken and self._meta[block_id].block_hash is not None
 
     def reset_index(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use, since a
@@ -155,6 +168,7 @@ class BlockPool:
     def check_invariants(self) -> None:
         in_queue = set(self._free)
         assert len(in_queue) == len(self._free), "a block is on the free list twice"
+        assert all(b < self._num_taken for b in in_queue), "a never-taken block was released"
         for block_id, meta in enumerate(self._meta):
             assert meta.ref_cnt >= 0
             assert (meta.ref_cnt == 0) == (block_id in in_queue), (

@@ -11,14 +11,21 @@ from __future__ import annotations
 class SlotTable:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._owner: list[str | None] = [None] * num_slots
+        # Slots 0 .. the highest ever taken (lowest free first, so no more than the most
+        # requests ever running at once): memory follows use, not max_num_seqs.
+        self._owner: list[str | None] = []
         self._slot_of: dict[str, int] = {}
 
     def assign(self, request_id: str) -> int:
         if request_id in self._slot_of:
             return self._slot_of[request_id]
-        slot = self._owner.index(None)  # the scheduler never admits past max_num_seqs
-        self._owner[slot] = request_id
+        assert len(self._slot_of) < self.num_slots, "the scheduler admits up to max_num_seqs"
+        if None in self._owner:
+            slot = self._owner.index(None)
+            self._owner[slot] = request_id
+        else:
+            slot = len(self._owner)
+            self._owner.append(request_id)
         self._slot_of[request_id] = slot
         return slot
 
@@ -35,6 +42,8 @@ class SlotTable:
 
     @property
     def owners(self) -> list[str | None]:
+        """Each slot's request, from slot 0 up to the highest slot ever taken (the slots
+        after it have never held one)."""
         return list(self._owner)
 
     @property

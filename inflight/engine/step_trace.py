@@ -147,6 +147,6 @@ def record_step(
         num_waiting=scheduler.num_waiting,
         kv_blocks_used=kv_cache.pool.num_used_blocks,
         kv_blocks_total=kv_cache.num_blocks,
-        num_slots=len(owners),
+        num_slots=scheduler.slots.num_slots,
         idle_slots=[i for i, owner in enumerate(owners) if owner is not None and i not in busy],
     )

@@ -70,8 +70,8 @@ def test_timeline_grid_marks_idle_and_empty_slots() -> None:
         record(2, [ScheduledEntry("c", 1, 3, "prefill")], []),
     ]
     grid = timeline_grid(records)
-    assert grid.shape == (3, 3)
-    assert grid[1, 1] == IDLE and (grid[2] == EMPTY).all()
+    assert grid.shape == (2, 3)  # slot 2 of 3 never held a request: no row for it
+    assert grid[1, 1] == IDLE and grid[0, 2] == EMPTY
     assert grid[1, 0] != grid[1, 2]  # a new request in the slot gets the other shade
 
 

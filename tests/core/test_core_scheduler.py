@@ -382,3 +382,15 @@ def test_token_of_an_aborted_request_never_reaches_a_new_one_with_its_id() -> No
     assert updates == []
     assert new.output_token_ids == [] and new.num_computed_tokens == 0
     scheduler.check_invariants()
+
+
+def test_a_huge_max_num_seqs_costs_what_runs() -> None:
+    """max_num_seqs=10**12 (a planner sweep may ask) builds at once; slots are still
+    taken lowest first and refilled."""
+    from inflight.core.slots import SlotTable
+
+    slots = SlotTable(10**12)
+    assert [slots.assign(r) for r in "abc"] == [0, 1, 2]
+    slots.release("b")
+    assert slots.assign("d") == 1 and slots.assign("e") == 3
+    assert slots.owners == ["a", "d", "c", "e"] and slots.num_free == 10**12 - 4

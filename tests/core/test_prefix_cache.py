@@ -198,3 +198,28 @@ def test_same_step_duplicates_and_preemption_with_caching_match_reference() -> N
     assert scheduler.kv_cache.prefix_stats.hits > 0
     assert scheduler.kv_cache.pool.num_used_blocks == 0
     scheduler.kv_cache.check_invariants()
+
+
+def test_a_huge_pool_costs_what_it_holds_and_keeps_the_eviction_order() -> None:
+    """A pool of 10**12 blocks (the planner may simulate any cache size) is built and used
+    at once; never-taken blocks are the queue's front in id order, released ones join the
+    back, so eviction takes fresh blocks before released (cached) ones."""
+    from inflight.core.block_pool import BlockPool
+
+    pool = BlockPool(10**12)
+    assert pool.num_free_blocks == 10**12 and pool.num_used_blocks == 0
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.register(1, b"h1", (7,))
+    pool.free([1])
+    assert pool.ref_cnt(1) == 0 and pool.ref_cnt(10**12 - 1) == 0
+    assert pool.allocate(2) == [3, 4]  # fresh first: block 1 stays findable
+    assert pool.lookup(b"h1", (7,)) == 1 and not pool.is_registered(10**11)
+    assert pool.num_used_blocks == 4 and pool.num_free_blocks == 10**12 - 4
+    pool.check_invariants()
+    small = BlockPool(3)
+    assert small.allocate(3) == [0, 1, 2]
+    small.register(1, b"h1", (7,))
+    small.free([2, 1])
+    assert small.allocate(1) == [2] and small.lookup(b"h1", (7,)) == 1
+    assert small.allocate(1) == [1] and small.lookup(b"h1", (7,)) is None  # evicted
+    small.check_invariants()

@@ -204,3 +204,19 @@ def test_a_request_the_engine_refuses_fails_alone() -> None:
     assert result.bench_report().num_requests == 2
     with pytest.raises(ValueError, match="no request of only-long can be served: request 1: "):
         simulate(Workload("only-long", [long_prompt]), UNIT_COST, max_model_len=256)
+
+
+def test_huge_engine_sizes_cost_what_the_workload_uses() -> None:
+    """max_num_seqs and num_kv_blocks of 10**6 (a sweep's far end, or a typo) simulate in
+    memory that follows the workload, not the sizes: each used to allocate per slot and
+    per block up front, and a billion slots was killed for memory."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        result = simulate(workloads.seed8(), UNIT_COST, max_num_seqs=10**6, num_kv_blocks=10**6)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(result.records) == 500 and result.records[0].num_slots == 10**6
+    assert peak < 30 << 20, f"peak {peak >> 20} MiB"
