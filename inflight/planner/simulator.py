@@ -38,6 +38,9 @@ from inflight.sampling_params import InvalidRequestError, SamplingParams
 
 # Fake output token ids stay in this range (any vocabulary of the default model's size).
 _TOKEN_LOW, _TOKEN_SPAN = 1000, 48000
+# Latest arrival the virtual clock can take: a double still resolves 0.2 us there (beyond
+# it token times round away; at 1e300 s a step's duration vanished entirely).
+MAX_ARRIVAL_S = 1e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +239,12 @@ class Simulator:
     def run(self, workload: Workload, label: str | None = None) -> SimResult:
         started = time.perf_counter()
         pending = sorted(workload.requests, key=lambda r: r.arrival_s)  # stable: FCFS ties
+        if pending and pending[-1].arrival_s > MAX_ARRIVAL_S:
+            raise ValueError(
+                f"{workload.name}: the last request arrives at {pending[-1].arrival_s:.3g} s, "
+                f"beyond {MAX_ARRIVAL_S:g} s (about 31 years), where the virtual clock cannot "
+                "time tokens to the microsecond; use a higher request rate or earlier arrivals"
+            )
         sim_requests = []
         next_index = 0
         while next_index < len(pending) or self.scheduler.has_unfinished_requests():

@@ -220,3 +220,18 @@ def test_huge_engine_sizes_cost_what_the_workload_uses() -> None:
         tracemalloc.stop()
     assert len(result.records) == 500 and result.records[0].num_slots == 10**6
     assert peak < 30 << 20, f"peak {peak >> 20} MiB"
+
+
+def test_arrivals_too_late_for_the_clock_are_refused() -> None:
+    """At 1e300 s a double cannot hold a step's duration: TTFT came out 0 ms or
+    wrong (a rate of 1e-300 req/s, or such arrival_s in a file). Refused, named."""
+    from inflight.planner.sweep import poisson_arrivals
+
+    late = Workload("late", [WorkloadRequest(0, [5, 6, 7], 3, 1e300)])
+    with pytest.raises(ValueError, match="late: the last request arrives at 1e[+]300 s"):
+        simulate(late, UNIT_COST)
+    with pytest.raises(ValueError, match="beyond 1e[+]09 s"):
+        simulate(poisson_arrivals(workloads.seed8(), 1e-300), UNIT_COST)
+    year = Workload("a-year", [WorkloadRequest(0, [5, 6, 7], 3, 3.2e7)])
+    first = simulate(year, UNIT_COST).requests[0]
+    assert first.token_times[0] - first.arrival_s == pytest.approx(0.0103)
