@@ -214,3 +214,16 @@ def test_simulate_names_the_requests_the_engine_would_refuse(
     workload.write_text(json.dumps(rows[0]) + "\n")
     assert main(["simulate", "--workload", str(workload), *out]) == 2
     assert "inflight: error: no request of w can be served" in capsys.readouterr().err
+
+
+def test_the_default_output_folder_is_ignored_by_git() -> None:
+    """The README's simulate commands write planner-results/W in the checkout, as bench
+    writes bench-results/: neither shows up as untracked files."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    probe = "planner-results/seed8/simulation.json"
+    assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=root).returncode == 0
