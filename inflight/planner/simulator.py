@@ -79,6 +79,11 @@ def make_sim_config(cost: CostModel, **options: Any) -> SimConfig:
     """
     options = {k: v for k, v in options.items() if v is not None}
     options.setdefault("max_model_len", cost.max_model_len)
+    if options["max_model_len"] > cost.max_model_len:  # the engine refuses it too
+        raise ValueError(
+            f"max_model_len={options['max_model_len']} exceeds the calibrated model's "
+            f"context length ({cost.max_model_len})"
+        )
     config = make_engine_config(None, **options)
     cache, scheduler = config.cache, config.scheduler
     num_blocks = cache.num_kv_blocks

@@ -235,3 +235,14 @@ def test_arrivals_too_late_for_the_clock_are_refused() -> None:
     year = Workload("a-year", [WorkloadRequest(0, [5, 6, 7], 3, 3.2e7)])
     first = simulate(year, UNIT_COST).requests[0]
     assert first.token_times[0] - first.arrival_s == pytest.approx(0.0103)
+
+
+def test_a_context_longer_than_the_models_is_refused_as_the_engine_does() -> None:
+    """max_model_len above the calibrated model's context was simulated (the engine
+    refuses it: 'exceeds the model's context length'); its KV sizing used it too."""
+    from inflight.planner.simulator import make_sim_config
+
+    with pytest.raises(ValueError, match=r"max_model_len=10000 exceeds the calibrated model's "
+                       r"context length \(8192\)"):
+        simulate(workloads.seed8(), UNIT_COST, max_model_len=10_000)
+    assert make_sim_config(UNIT_COST, max_model_len=8192).scheduler.max_model_len == 8192
