@@ -22,7 +22,7 @@ from typing import Any
 from inflight.bench.cli_types import int_at_least, ints_at_least, seconds
 from inflight.bench.workloads import rate_arg
 from inflight.config import BATCHING_MODES, DEFAULT_BLOCK_SIZE, SCHEDULING_POLICIES
-from inflight.entrypoints.engine_args import DTYPES
+from inflight.entrypoints.engine_args import DTYPES, human_readable_int, max_model_len_arg
 from inflight.output_paths import prepare_output_dir, prepare_output_file
 
 DEFAULT_OUTPUT_DIR = "planner-results"
@@ -159,12 +159,13 @@ def build_simulate_parser(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine (as 'inflight serve')")
     engine.add_argument("--max-num-seqs", type=int, default=None,
                         help="default: 64 (seed8: 8)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="default: the calibrated model's context length")
+    engine.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
+    engine.add_argument("--max-model-len", type=max_model_len_arg, default=None,
+                        help="as 'inflight serve' reads it (4k, 4K; -1 or auto); default: "
+                        "the calibrated model's context length")
     engine.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     engine.add_argument("--num-kv-blocks", type=int, default=None)
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None)
     engine.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                         action="store_false", default=True)
     engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",

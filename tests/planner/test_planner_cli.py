@@ -227,3 +227,16 @@ def test_the_default_output_folder_is_ignored_by_git() -> None:
         pytest.skip("not a git checkout")
     probe = "planner-results/seed8/simulation.json"
     assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=root).returncode == 0
+
+
+def test_simulate_reads_sizes_as_serve_does(tmp_path: Path) -> None:
+    """--kv-cache-memory-bytes 1G, --max-model-len 4k / auto and --max-num-batched-tokens
+    2K are read as 'inflight serve' reads them (were 'invalid int value')."""
+    argv = ["simulate", "--workload", "seed8", "--no-plots", "--output-dir", str(tmp_path),
+            "--kv-cache-memory-bytes", "1G", "--max-model-len", "4k",
+            "--max-num-batched-tokens", "2K"]
+    assert main(argv) == 0
+    config = json.loads((tmp_path / "simulation.json").read_text())["runs"][0]["config"]
+    assert (config["max_model_len"], config["max_num_batched_tokens"]) == (4000, 2048)
+    assert config["num_kv_blocks"] == min((1 << 30) // (23040 * 16), 8 * 250 + 1)
+    assert main([*argv[:-4], "--max-model-len", "auto"]) == 0
