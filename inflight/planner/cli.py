@@ -133,6 +133,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             StepTrace(enabled=True, records=records).write_jsonl(args.trace_out)
     path = cost.save(output)
     print(cost.describe())
+    if warning := cost.fit_warning():
+        print(warning, file=sys.stderr)
     print(f"fitted on {cost.num_fit_steps} steps; saved: {path}")
     return 0
 
@@ -221,6 +223,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     cost = load_cost_model(args.cost)
     print(f"cost model: {cost.source}", file=sys.stderr)
+    if warning := cost.fit_warning():
+        print(warning, file=sys.stderr)
     spec = WorkloadSpec(args.workload, args.num_prompts, args.repeat, args.seed)
     options = sim_options(args)
     modes = ["static", "continuous"] if args.compare else [args.batching]

@@ -45,6 +45,10 @@ FEATURES = (
 )
 # Every 5th step is held out of the fit and scores it.
 HOLD_OUT_EVERY = 5
+# A fit whose held-out steps miss by more than this (mean per step, or in total) is
+# flagged: a quiet machine gives about 14% and -4% (README), a busy one 40-70%.
+POOR_FIT_STEP_ERROR = 0.30
+POOR_FIT_TOTAL_ERROR = 0.20
 # SmolLM2-135M-Instruct's KV bytes per token in bfloat16: K and V x 30 layers x 3 KV heads
 # x 64 dims x 2 bytes. The simulator sizes the default KV cache with it, as the engine does.
 SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
@@ -174,6 +178,20 @@ class CostModel:
             raise ValueError(
                 f"{path} is not a cost model from 'inflight calibrate': {error}"
             ) from None
+
+    def fit_warning(self) -> str | None:
+        """A line when the held-out steps say the fit predicts poorly (typically: it was
+        timed on a busy machine), else None."""
+        e = self.held_out
+        if e is None or (e.mean_abs_pct_error <= POOR_FIT_STEP_ERROR
+                         and abs(e.total_time_error) <= POOR_FIT_TOTAL_ERROR):
+            return None
+        return (
+            f"warning: this fit predicts its held-out steps poorly (mean error "
+            f"{e.mean_abs_pct_error:.0%} per step, {e.total_time_error:+.0%} in total): the "
+            "machine was probably busy; calibrate again on a quiet one, or check the "
+            "predictions with 'inflight simulate --validate'"
+        )
 
     def describe(self) -> str:
         lines = [

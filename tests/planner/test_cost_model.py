@@ -174,3 +174,20 @@ def test_a_fit_that_would_time_steps_at_zero_is_refused(tmp_path, monkeypatch) -
                         lambda x, y: (no_intercept_no_decode, 0))
     with pytest.raises(ValueError, match="times some steps at 0 s.*too short or too noisy"):
         fit_trace(records, source="noisy")
+
+
+def test_a_poor_fit_is_flagged(tmp_path, capsys) -> None:
+    """A calibration whose held-out steps miss by half (a busy machine) was saved and used
+    by every later simulate without a word; now both say so. A good fit says nothing."""
+    from inflight.entrypoints.cli import main
+    from inflight.planner.cost_model import FitError
+
+    good = replace(KNOWN, held_out=FitError(20, 1.0, 0.14, -0.04, 0.99))
+    poor = replace(KNOWN, held_out=FitError(18, 574.0, 0.56, -0.69, 0.13))
+    assert good.fit_warning() is None and KNOWN.fit_warning() is None
+    warning = poor.fit_warning()
+    assert warning is not None and "56% per step, -69% in total" in warning
+    path = poor.save(tmp_path / "poor.json")
+    assert main(["simulate", "--workload", "seed8", "--cost", str(path), "--no-plots",
+                 "--output-dir", str(tmp_path / "sim")]) == 0
+    assert warning in capsys.readouterr().err
