@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import time
 from dataclasses import dataclass
 
+from inflight.bench.cli_types import int_at_least
 from inflight.distributed.router import Router, RouterConfig
 from inflight.sampling_params import SamplingParams
 
@@ -107,12 +109,16 @@ def measure(model: str | None, replicas: int, prompts: list[str], max_tokens: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inflight.bench.dp_scaling")
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--num-prompts", type=int_at_least(1), default=16)
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=32)
+    parser.add_argument("--replicas", type=int_at_least(1), nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
     prompts = _prompts(args.num_prompts, seed=0)
-    rows = [measure(args.model, n, prompts, args.max_tokens) for n in args.replicas]
+    try:
+        rows = [measure(args.model, n, prompts, args.max_tokens) for n in args.replicas]
+    except (RuntimeError, ValueError) as error:  # no Ray; every replica dead (e.g. OOM)
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
     base = rows[0].tokens_per_s
     print("| replicas | requests/s | output tok/s | speed-up | driver CPU µs/request |")
     print("|---:|---:|---:|---:|---:|")

@@ -178,3 +178,24 @@ def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys) -> None:
         pytest.fail("the KeyboardInterrupt escaped main(): its traceback reaches the user")
     assert code == 130
     assert capsys.readouterr().err == "inflight: interrupted\n"
+
+
+def test_dp_scaling_failures_are_one_line(monkeypatch, capsys) -> None:
+    """python -m inflight.bench.dp_scaling: no Ray, or every replica dead mid-run (a
+    co-tenant's memory pressure OOM-killed them here), is one line and exit 1, not a
+    traceback; zero prompts or replicas are refused by the parser (were a
+    ZeroDivisionError)."""
+    from inflight.bench import dp_scaling
+    from inflight.engine.request_stream import EngineDeadError
+
+    def dead(*args: object) -> None:
+        raise EngineDeadError("no engine replica is alive; retry later")
+
+    monkeypatch.setattr(dp_scaling, "measure", dead)
+    assert dp_scaling.main(["--num-prompts", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err == "python -m inflight.bench.dp_scaling: error: no engine replica is alive; retry later\n"
+    for bad in (["--num-prompts", "0"], ["--replicas", "0"], ["--max-tokens", "-1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            dp_scaling.main(bad)
+        assert exit_info.value.code == 2
