@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from inflight.entrypoints.config_file import with_config_file
+
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a Ctrl-C
 
 # subcommand modules, each exposing register(subparsers) that sets a ``handler`` default
@@ -67,7 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    try:
+        argv = with_config_file(given, lambda flag: _has_flag(parser, given, flag))
+    except ValueError as error:
+        print(f"inflight: error: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except (ValueError, OSError) as error:  # bad values, missing or unwritable files
@@ -78,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         # own): one line, not the stack of whatever happened to be computing.
         print("inflight: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _has_flag(parser: argparse.ArgumentParser, argv: list[str], flag: str) -> bool:
+    """Whether the subcommand ``argv`` names has option ``flag``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and argv and argv[0] in action.choices:
+            return flag in action.choices[argv[0]]._option_string_actions
+    return False
 
 
 if __name__ == "__main__":

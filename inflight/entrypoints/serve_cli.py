@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from inflight.bench.cli_types import port, seconds
     from inflight.entrypoints.chat_utils import CONTENT_FORMATS
     from inflight.entrypoints.engine_args import add_engine_args, add_vllm_only_args
+    from inflight.entrypoints.openai.frontend import add_frontend_args
 
     parser = subparsers.add_parser(
         "serve",
@@ -156,6 +157,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="skip the start-up dummy request that pays the first forward passes' one-off "
         "costs before the server reports ready",
     )
+    group.add_argument(
+        "--config", default=None, metavar="FILE",
+        help="a YAML file of options, its keys the long option names (port: 8001, "
+        "enable-prefix-caching: true, model: path); the command line wins over it, as in vLLM",
+    )
+    add_frontend_args(parser)
     add_vllm_only_args(parser)
     parser.set_defaults(handler=run)
 
@@ -248,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The server's own options from the command line."""
+    """The server's own options from the command line (``ValueError`` naming a flag)."""
+    from inflight.entrypoints.openai.frontend import frontend_config
     from inflight.entrypoints.openai.serving import ServerConfig
 
     return ServerConfig(
@@ -262,6 +270,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_log_requests=args.enable_log_requests,
         disable_fastapi_docs=args.disable_fastapi_docs,
         root_path=(args.root_path or "").rstrip("/"),  # "/prefix/" serves "/prefix/v1/..."
+        frontend=frontend_config(args),
     )
 
 

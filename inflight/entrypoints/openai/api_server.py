@@ -39,6 +39,7 @@ from inflight.entrypoints.openai.errors import (
     bad_request,
     install_error_handlers,
 )
+from inflight.entrypoints.openai.frontend import install_frontend
 from inflight.entrypoints.openai.openapi import install_request_schemas, request_body
 from inflight.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -115,6 +116,7 @@ def build_app(engine: ServedEngine, config: ServerConfig) -> FastAPI:
     app.root_path = config.root_path
     app.state.server = state
     install_error_handlers(app)
+    install_frontend(app, config.frontend)
     app.include_router(_v1_router(state))
     app.include_router(_service_router(state, engine, __version__))
     install_request_schemas(
@@ -402,6 +404,7 @@ def run_server(
         lifespan="on",
         # Backstop only: our abort at ``shutdown_timeout`` normally ends every response.
         timeout_graceful_shutdown=int(shutdown_timeout) + 10,
+        **dict(config.frontend.uvicorn),  # TLS, a Unix socket, the h11 limit
     )
     server = GracefulServer(uv_config, engine, shutdown_timeout)
     # After its graceful shutdown uvicorn re-raises the signal it caught, through the

@@ -116,6 +116,14 @@ class _GenerationFields(_Request):
             self.stream_options and self.stream_options.continuous_usage_stats
         )
 
+    def stream_usage(self, force: bool) -> tuple[bool, bool]:
+        """(a last usage chunk, usage on every chunk) for a stream; ``force`` is vLLM's
+        ``--enable-force-include-usage``, as if include_usage were true."""
+        final = self.include_usage or force
+        return final, final and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
+
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]

@@ -54,6 +54,7 @@ from inflight.entrypoints.openai.errors import (
     overloaded,
     request_timeout,
 )
+from inflight.entrypoints.openai.frontend import FrontendConfig
 from inflight.outputs import PromptLogprobs, SampleLogprobs
 from inflight.sampling_params import CONSTRAINT_FAILED, NO_TOKEN_LEFT, SamplingParams
 
@@ -99,6 +100,7 @@ class ServerConfig:
     enable_log_requests: bool = False  # one INFO line per request (ServerState.log_request)
     disable_fastapi_docs: bool = False  # vLLM's: no /docs or /redoc pages
     root_path: str = ""  # the prefix a proxy serves the app under (FastAPI's root_path)
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)  # vLLM's HTTP flags
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,7 +141,8 @@ async def _serve(
     reply.decode = lambda token_id: str(tokenizer.decode([token_id]))
     reply.raw_bytes = token_bytes_of(tokenizer)
     if request.stream:
-        events = _stream(reply, stream, request.include_usage, request.continuous_usage)
+        force = state.config.frontend.enable_force_include_usage
+        events = _stream(reply, stream, *request.stream_usage(force))
         return EngineStreamingResponse(events, [stream])
     return await _complete(reply, stream)
 

@@ -123,7 +123,9 @@ async def _serve(state: ServerState, request: CompletionRequest, arrival_time: f
         as_token_ids=bool(request.return_tokens_as_token_ids),
     )
     if request.stream:
-        usage = _StreamUsage(request.include_usage, request.continuous_usage)
+        usage = _StreamUsage(
+            *request.stream_usage(state.config.frontend.enable_force_include_usage)
+        )
         return EngineStreamingResponse(_stream(reply, streams, usage), streams)
     return await _complete(reply, streams)
 
