@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     given = sys.argv[1:] if argv is None else argv
     try:
-        argv = with_config_file(given, lambda flag: _has_flag(parser, given, flag))
+        argv = with_config_file(
+            given,
+            lambda flag: _action(parser, given, flag) is not None,
+            lambda flag: isinstance(_action(parser, given, flag), argparse._AppendAction),
+        )
     except ValueError as error:
         print(f"inflight: error: {error}", file=sys.stderr)
         return 2
@@ -89,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _has_flag(parser: argparse.ArgumentParser, argv: list[str], flag: str) -> bool:
-    """Whether the subcommand ``argv`` names has option ``flag``."""
+def _action(parser: argparse.ArgumentParser, argv: list[str], flag: str) -> argparse.Action | None:
+    """The option ``flag`` of the subcommand ``argv`` names, if it has one."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and argv and argv[0] in action.choices:
-            return flag in action.choices[argv[0]]._option_string_actions
-    return False
+            return action.choices[argv[0]]._option_string_actions.get(flag)
+    return None
 
 
 if __name__ == "__main__":

@@ -56,14 +56,38 @@ def test_config_file_options_go_after_the_subcommand_so_the_command_line_wins(
     has_no_form = {"--no-enable-prefix-caching"}.__contains__
     argv = with_config_file(["serve", "model", "--config", str(path), "--port", "9"], has_no_form)
     assert argv == [
-        "serve", "--port", "8001", "--max-model-len", "4096", "--no-enable-prefix-caching",
-        "--enforce-eager", "--api-key", "a", "b", "--hf-overrides", '{"x": 1}',
-        "model", "--port", "9",
+        "serve", "model", "--port", "8001", "--max-model-len", "4096",
+        "--no-enable-prefix-caching", "--enforce-eager", "--api-key", "a", "b",
+        "--hf-overrides", '{"x": 1}', "--port", "9",
     ]
     # argparse keeps the last value: the command line's port
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int)
     assert parser.parse_known_args(argv[1:])[0].port == 9
+
+
+def test_config_file_options_go_after_a_positional_model_whose_file_model_is_dropped(
+    tmp_path: Path,
+) -> None:
+    # A list last in the file took the positional model as one more value (an API key), and
+    # the file's model: beside a positional one was "two models given"; vLLM puts the file's
+    # options after the model, and the command line's model wins.
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: other\nmiddleware: [a.B, c.d]\napi-key: [k1, k2]\n")
+    repeats = {"--middleware"}.__contains__
+    argv = with_config_file(["serve", "mine", "--config", str(path)], lambda flag: False, repeats)
+    assert argv == ["serve", "mine", "--middleware", "a.B", "--middleware", "c.d",
+                    "--api-key", "k1", "k2"]
+    assert with_config_file(["serve", "--config", str(path)], lambda flag: False)[:3] == [
+        "serve", "--model", "other"]
+
+
+def test_a_config_file_that_is_not_yaml_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "a.yaml"
+    path.write_text("a: [\n")
+    with pytest.raises(ValueError, match="not valid YAML") as error:
+        with_config_file(["serve", "--config", str(path)], lambda flag: False)
+    assert "\n" not in str(error.value) and "line 2" in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -149,6 +173,41 @@ def test_a_frontend_flag_that_cannot_act_is_refused_by_name(argv: list[str], mes
         _config(*argv)
 
 
+def test_a_middleware_module_that_fails_to_import_or_a_bad_certificate_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Were a traceback (exit 1) and, for the certificate, "[SSL] PEM lib" after the model loaded.
+    (tmp_path / "broken_mw.py").write_text("def f(:\n")
+    (tmp_path / "raising_mw.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="broken_mw.f: cannot import it: SyntaxError"):
+        _config("--middleware", "broken_mw.f")
+    with pytest.raises(ValueError, match="raising_mw.f: cannot import it: RuntimeError: boom"):
+        _config("--middleware", "raising_mw.f")
+    not_a_key = tmp_path / "x.pem"
+    not_a_key.write_text("not a key\n")
+    with pytest.raises(ValueError, match="cannot load the certificate and key"):
+        _config("--ssl-keyfile", str(not_a_key), "--ssl-certfile", str(not_a_key))
+
+
+def test_forced_usage_is_on_every_chunk_as_in_vllm() -> None:
+    # vLLM 0.32's should_include_usage: --enable-force-include-usage is (True, True) whatever
+    # stream_options says.
+    from inflight.entrypoints.openai.protocol import CompletionRequest
+
+    def request(**stream_options: bool) -> CompletionRequest:
+        body = {"model": "m", "prompt": "p", "stream": True}
+        return CompletionRequest.model_validate(
+            {**body, "stream_options": stream_options} if stream_options else body)
+
+    assert request().stream_usage(True) == (True, True)
+    assert request().stream_usage(False) == (False, False)
+    assert request(include_usage=False).stream_usage(True) == (True, True)
+    assert request(continuous_usage_stats=True).stream_usage(False) == (False, False)
+    both = request(include_usage=True, continuous_usage_stats=True)
+    assert both.stream_usage(False) == (True, True)
+
+
 def test_refusals_come_before_the_model_loads() -> None:
     done = _serve("/no/such/model", "--api-server-count", "3")
     assert done.returncode == 2
@@ -181,8 +240,9 @@ def test_served_from_a_config_file_with_forced_usage(
         events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
-    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    # vLLM 0.32: forced usage is on every chunk (continuous), the last one the total
+    assert [c["usage"]["completion_tokens"] for c in chunks[-2:]] == [3, 3]
+    assert chunks[-1]["choices"] == []
 
 
 def _trusting(cert: Path) -> ssl.SSLContext:

@@ -120,7 +120,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "with app.add_middleware, a coroutine function as an 'http' middleware; repeatable")
     group.add_argument(
         "--enable-force-include-usage", action="store_true",
-        help="every stream ends with a usage chunk, as if stream_options.include_usage")
+        help="usage on every chunk of every stream and a final usage chunk, whatever "
+        "stream_options says (as vLLM 0.32)")
     group.add_argument(
         "--disable-access-log-for-endpoints", default=None, metavar="PATHS",
         help="comma-separated paths left out of the access log, e.g. /health,/metrics")
@@ -154,6 +155,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
                 raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{flag} {path}: no such file")
+        _check_tls(args)
         uvicorn.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                        ssl_ciphers=args.ssl_ciphers or "TLSv1")
@@ -234,6 +236,29 @@ class _QuietEndpoints(logging.Filter):
         return True
 
 
+def _check_tls(args: argparse.Namespace) -> None:
+    """The certificate, key, CA file and ciphers loaded as uvicorn will load them, so a
+    wrong file is refused by name before the model loads (not "[SSL] PEM lib" after)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=lambda: b"")
+    except (ssl.SSLError, OSError) as error:
+        raise ValueError(
+            f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: cannot "
+            f"load the certificate and key (PEM, the key unencrypted): {error}") from None
+    if args.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except (ssl.SSLError, OSError) as error:
+            raise ValueError(f"--ssl-ca-certs {args.ssl_ca_certs}: {error}") from None
+    if args.ssl_ciphers is not None:
+        try:
+            context.set_ciphers(args.ssl_ciphers)
+        except ssl.SSLError as error:
+            reason = " ".join(str(arg) for arg in error.args)  # ('No cipher ...',)
+            raise ValueError(f"--ssl-ciphers {args.ssl_ciphers}: {reason}") from None
+
+
 def _import_middleware(path: str) -> Any:
     """``module.name`` imported: a class or a coroutine function, else ``ValueError``."""
     module_path, _, name = path.rpartition(".")
@@ -241,6 +266,10 @@ def _import_middleware(path: str) -> Any:
         imported = getattr(importlib.import_module(module_path), name) if module_path else None
     except (ImportError, AttributeError) as error:
         raise ValueError(f"--middleware {path}: cannot import it: {error}") from None
+    except Exception as error:  # the module's own fault (SyntaxError, ...): one line too
+        raise ValueError(
+            f"--middleware {path}: cannot import it: {type(error).__name__}: {error}"
+        ) from None
     if imported is None:
         raise ValueError(f"--middleware {path}: give an import path, module.name")
     if not (inspect.isclass(imported) or inspect.iscoroutinefunction(imported)):

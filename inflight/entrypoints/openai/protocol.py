@@ -118,11 +118,11 @@ class _GenerationFields(_Request):
 
     def stream_usage(self, force: bool) -> tuple[bool, bool]:
         """(a last usage chunk, usage on every chunk) for a stream; ``force`` is vLLM's
-        ``--enable-force-include-usage``, as if include_usage were true."""
-        final = self.include_usage or force
-        return final, final and bool(
-            self.stream_options and self.stream_options.continuous_usage_stats
-        )
+        ``--enable-force-include-usage``: both, whatever stream_options says (vLLM 0.32's
+        ``should_include_usage``)."""
+        if force:
+            return True, True
+        return self.include_usage, self.continuous_usage
 
 
 class CompletionRequest(_GenerationFields):
