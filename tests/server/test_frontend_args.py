@@ -164,6 +164,7 @@ def test_middleware_by_import_path_is_added() -> None:
         (["--ssl-certfile", "/no/such.crt"], "needs both"),
         (["--ssl-ca-certs", "/x"], "need --ssl-keyfile"),
         (["--api-server-count", "2"], "--api-server-count 2 is not supported"),
+        (["--lora-modules", "a=/x", "b=/y"], "--lora-modules a=/x b=/y is not supported: LoRA"),
         (["--tool-parser-plugin", "x.py"], "no plugins"),
         (["--sse-keep-alive-interval", "5"], "keep-alive"),
     ],

@@ -33,6 +33,8 @@ def _is(*values: Any) -> Accepts:
     return Accepts(lambda value: value in values, " or ".join(json.dumps(v) for v in values))
 
 
+# Flags vLLM gives one or more values (``--lora-modules a=path b=path``).
+_SEVERAL_VALUES = frozenset({"lora_modules"})
 _EITHER = Accepts(lambda value: isinstance(value, bool), "either way")
 # vLLM's front-end flags that mean nothing here: accepted at these values only.
 NEUTRAL_FRONTEND_ARGS: dict[str, Neutral] = {
@@ -134,6 +136,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
             {"action": argparse.BooleanOptionalAction} if rule.is_switch
             else {"type": rule.parse, "metavar": "VALUE"}
         )
+        if name in _SEVERAL_VALUES:  # vLLM's nargs="+": refused by name, not "unrecognized"
+            kind["nargs"] = "+"
         group.add_argument(*flags, dest=_DEST + name, default=argparse.SUPPRESS,
                            help=f"accepted as {rule.accepts.text}, with no effect: {rule.note}",
                            **kind)
@@ -146,7 +150,8 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
             value = getattr(args, _DEST + name)
             if not rule.accepts(value):
                 flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} {value} is not supported: {rule.note}")
+                given = " ".join(value) if isinstance(value, list) else value
+                raise ValueError(f"{flag} {given} is not supported: {rule.note}")
     uvicorn: dict[str, Any] = {"h11_max_incomplete_event_size": args.h11_max_incomplete_event_size}
     if args.ssl_keyfile or args.ssl_certfile:
         for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
