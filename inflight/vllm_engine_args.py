@@ -46,13 +46,15 @@ class Neutral:
     note: str
     parse: Callable[[str], Any] | None = None
     aliases: tuple[str, ...] = ()
+    several: bool = False  # the flag takes one or more values (vLLM's nargs="+")
 
     @property
     def is_switch(self) -> bool:
         return self.parse is None
 
 
-def _equals(*values: Any) -> Accepts:
+def equals(*values: Any) -> Accepts:
+    """Accepts exactly these values."""
     return Accepts(lambda value: value in values, " or ".join(_spelled(v) for v in values))
 
 
@@ -67,7 +69,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_IS_BOOL = Accepts(lambda value: isinstance(value, bool), "True or False")
+IS_BOOL = Accepts(lambda value: isinstance(value, bool), "True or False")
 _IS_INT = Accepts(lambda value: isinstance(value, int), "any integer")
 _FRACTION = Accepts(lambda value: _is_number(value) and 0 < value <= 1, "a fraction in (0, 1]")
 _NON_NEGATIVE = Accepts(lambda value: _is_number(value) and value >= 0, "any number >= 0")
@@ -102,69 +104,69 @@ _ONE_DEVICE = "one engine runs on one device; scale out with data-parallel repli
 _FROM_PATH = "models load from a local path, not the Hub"
 VLLM_ONLY_ARGS: dict[str, Neutral] = {
     "tensor_parallel_size": Neutral(
-        _equals(1), f"tensor parallelism is not supported ({_ONE_DEVICE})", int, ("-tp",)),
+        equals(1), f"tensor parallelism is not supported ({_ONE_DEVICE})", int, ("-tp",)),
     "pipeline_parallel_size": Neutral(
-        _equals(1), f"pipeline parallelism is not supported ({_ONE_DEVICE})", int, ("-pp",)),
+        equals(1), f"pipeline parallelism is not supported ({_ONE_DEVICE})", int, ("-pp",)),
     "data_parallel_size": Neutral(
-        _equals(1), "data parallelism runs on Ray: inflight serve --data-parallel-size", int,
+        equals(1), "data parallelism runs on Ray: inflight serve --data-parallel-size", int,
         ("-dp",)),
-    "enforce_eager": Neutral(_IS_BOOL, "inflight always runs eagerly (no CUDA graphs)"),
+    "enforce_eager": Neutral(IS_BOOL, "inflight always runs eagerly (no CUDA graphs)"),
     "max_seq_len_to_capture": Neutral(_IS_INT, "inflight captures no CUDA graphs", int),
-    "disable_custom_all_reduce": Neutral(_IS_BOOL, "inflight has no all-reduce"),
-    "disable_async_output_proc": Neutral(_IS_BOOL, "outputs are processed in the engine step"),
+    "disable_custom_all_reduce": Neutral(IS_BOOL, "inflight has no all-reduce"),
+    "disable_async_output_proc": Neutral(IS_BOOL, "outputs are processed in the engine step"),
     "disable_log_stats": Neutral(
-        _IS_BOOL, "inflight logs no periodic stats (a server's are at /metrics)"),
+        IS_BOOL, "inflight logs no periodic stats (a server's are at /metrics)"),
     "trust_remote_code": Neutral(
-        _IS_BOOL, "inflight runs its own Llama code, never a checkpoint's"),
+        IS_BOOL, "inflight runs its own Llama code, never a checkpoint's"),
     "gpu_memory_utilization": Neutral(
         _FRACTION, "the KV cache is sized by kv_cache_memory_bytes (or num_kv_blocks), as "
         "vLLM's CPU backend sizes it by VLLM_CPU_KVCACHE_SPACE", float),
     "swap_space": Neutral(
         _NON_NEGATIVE, "preempted requests are recomputed, never swapped", float),
-    "cpu_offload_gb": Neutral(_equals(0), "weights are never offloaded", float),
+    "cpu_offload_gb": Neutral(equals(0), "weights are never offloaded", float),
     "tokenizer": Neutral(
         _OWN_TOKENIZER, "the tokenizer always comes with the model (its directory or GGUF "
         "file)", optional_str),
     "tokenizer_mode": Neutral(
-        _equals("auto"), "the model's fast tokenizer is always used", str),
-    "skip_tokenizer_init": Neutral(_equals(False), "the tokenizer is always loaded"),
-    "revision": Neutral(_equals(None), _FROM_PATH, optional_str),
-    "tokenizer_revision": Neutral(_equals(None), _FROM_PATH, optional_str),
-    "code_revision": Neutral(_equals(None), _FROM_PATH, optional_str),
-    "download_dir": Neutral(_equals(None), _FROM_PATH, optional_str),
-    "hf_token": Neutral(_equals(None), _FROM_PATH, optional_str),
+        equals("auto"), "the model's fast tokenizer is always used", str),
+    "skip_tokenizer_init": Neutral(equals(False), "the tokenizer is always loaded"),
+    "revision": Neutral(equals(None), _FROM_PATH, optional_str),
+    "tokenizer_revision": Neutral(equals(None), _FROM_PATH, optional_str),
+    "code_revision": Neutral(equals(None), _FROM_PATH, optional_str),
+    "download_dir": Neutral(equals(None), _FROM_PATH, optional_str),
+    "hf_token": Neutral(equals(None), _FROM_PATH, optional_str),
     "load_format": Neutral(
-        _equals("auto"), "the format is read from the model path (safetensors or GGUF)", str),
+        equals("auto"), "the format is read from the model path (safetensors or GGUF)", str),
     "hf_overrides": Neutral(_NO_OVERRIDES, "the model's config is used as it is", json_value),
     "compilation_config": Neutral(
-        _equals(None, 0), "inflight compiles no graphs", level_or_json, ("-O",)),
-    "enable_lora": Neutral(_equals(False), "LoRA adapters are not supported"),
-    "enable_sleep_mode": Neutral(_equals(False), "the engine never sleeps"),
+        equals(None, 0), "inflight compiles no graphs", level_or_json, ("-O",)),
+    "enable_lora": Neutral(equals(False), "LoRA adapters are not supported"),
+    "enable_sleep_mode": Neutral(equals(False), "the engine never sleeps"),
     "distributed_executor_backend": Neutral(
-        _equals(None, "mp", "uni"), "the engine runs in this process (data parallelism: "
+        equals(None, "mp", "uni"), "the engine runs in this process (data parallelism: "
         "inflight serve --data-parallel-backend ray)", optional_str),
-    "task": Neutral(_equals("auto", "generate"), "inflight runs generative models only", str),
-    "runner": Neutral(_equals("auto", "generate"), "inflight runs generative models only", str),
+    "task": Neutral(equals("auto", "generate"), "inflight runs generative models only", str),
+    "runner": Neutral(equals("auto", "generate"), "inflight runs generative models only", str),
     "served_model_name": Neutral(
         _ANY_NAMES, "offline outputs carry no model name (the server's is inflight serve "
         "--served-model-name)", str),
     "limit_mm_per_prompt": Neutral(_NO_MEDIA, "this model reads text only", json_value),
     "mm_processor_kwargs": Neutral(_NO_OVERRIDES, "this model reads text only", json_value),
     "speculative_config": Neutral(
-        _equals(None), "speculative decoding is not supported", json_value),
-    "kv_transfer_config": Neutral(_equals(None), "KV transfer is not supported", json_value),
+        equals(None), "speculative decoding is not supported", json_value),
+    "kv_transfer_config": Neutral(equals(None), "KV transfer is not supported", json_value),
     "structured_outputs_config": Neutral(
-        _equals(None), "structured outputs always use llguidance", json_value),
-    "disable_log_requests": Neutral(_IS_BOOL, "the offline engine logs no requests"),
-    "enable_log_requests": Neutral(_equals(False), "the offline engine logs no requests"),
+        equals(None), "structured outputs always use llguidance", json_value),
+    "disable_log_requests": Neutral(IS_BOOL, "the offline engine logs no requests"),
+    "enable_log_requests": Neutral(equals(False), "the offline engine logs no requests"),
     "logprobs_mode": Neutral(
-        _equals("raw_logprobs"),
+        equals("raw_logprobs"),
         "logprobs are always the model's raw distribution (vLLM's raw_logprobs)", str),
-    "async_scheduling": Neutral(_IS_BOOL, "each step is scheduled after the previous one"),
-    "disable_sliding_window": Neutral(_IS_BOOL, "Llama models have no sliding window"),
-    "model_impl": Neutral(_equals("auto", "vllm"), "inflight runs its own Llama code", str),
-    "use_tqdm_on_load": Neutral(_IS_BOOL, "loading shows no progress bar"),
-    "allowed_local_media_path": Neutral(_equals(""), "this model reads text only", str),
+    "async_scheduling": Neutral(IS_BOOL, "each step is scheduled after the previous one"),
+    "disable_sliding_window": Neutral(IS_BOOL, "Llama models have no sliding window"),
+    "model_impl": Neutral(equals("auto", "vllm"), "inflight runs its own Llama code", str),
+    "use_tqdm_on_load": Neutral(IS_BOOL, "loading shows no progress bar"),
+    "allowed_local_media_path": Neutral(equals(""), "this model reads text only", str),
 }
 
 

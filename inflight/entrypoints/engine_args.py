@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from inflight.config import (
@@ -192,19 +193,42 @@ def add_vllm_only_args(parser: argparse.ArgumentParser) -> None:
 
     Accepted at the values ``LLM()`` accepts and refused otherwise, by
     :func:`engine_options`. A flag the parser already has is left to it."""
-    group = parser.add_argument_group(
+    add_neutral_args(
+        parser, VLLM_ONLY_ARGS, _VLLM_ONLY_DEST,
         "vLLM engine flags with no effect here (accepted at the values shown, refused "
-        "with the reason at any other)"
+        "with the reason at any other)",
     )
-    for name, rule in VLLM_ONLY_ARGS.items():
+
+
+def add_neutral_args(
+    parser: argparse.ArgumentParser, table: dict[str, Neutral], dest: str, title: str
+) -> None:
+    """One flag per entry of ``table`` under vLLM's spelling, stored as ``dest + name``
+    and only when given; :func:`neutral_values` checks them. A flag the parser already
+    has is left to it."""
+    group = parser.add_argument_group(title)
+    for name, rule in table.items():
         flags = vllm_flags(name, rule)
         if any(flag in parser._option_string_actions for flag in flags):
             continue
         group.add_argument(
-            *flags, dest=_VLLM_ONLY_DEST + name, default=argparse.SUPPRESS,
+            *flags, dest=dest + name, default=argparse.SUPPRESS,
             help=f"accepted {_accepted(flags[0], rule)}, with no effect: {rule.note}",
             **_value_kind(rule),
         )
+
+
+def neutral_values(
+    args: argparse.Namespace, table: dict[str, Neutral], dest: str,
+    why_not: Callable[[str, Any], str | None],
+) -> dict[str, Any]:
+    """The flags of ``table`` given on the command line, by name; ``ValueError`` naming
+    the flag as typed and ``why_not``'s reason for a value that is not neutral here."""
+    given = {name: getattr(args, dest + name) for name in table if hasattr(args, dest + name)}
+    for name, value in given.items():
+        if (reason := why_not(name, value)) is not None:
+            raise ValueError(f"{_as_typed(name, table[name], value)} is not supported: {reason}")
+    return given
 
 
 def vllm_flags(name: str, rule: Neutral) -> list[str]:
@@ -225,30 +249,23 @@ def _accepted(flag: str, rule: Neutral) -> str:
 def _value_kind(rule: Neutral) -> dict[str, Any]:
     if rule.is_switch:
         return {"action": argparse.BooleanOptionalAction}
-    return {"type": rule.parse, "metavar": "VALUE"}
+    return {"type": rule.parse, "metavar": "VALUE", **({"nargs": "+"} if rule.several else {})}
 
 
 def vllm_only_options(args: argparse.Namespace) -> dict[str, Any]:
     """The vLLM-only flags given on the command line, as ``LLM()`` keyword arguments;
     ``ValueError`` naming the flag for a value that is not neutral here."""
-    given = {
-        name: getattr(args, _VLLM_ONLY_DEST + name)
-        for name in VLLM_ONLY_ARGS
-        if hasattr(args, _VLLM_ONLY_DEST + name)
-    }
-    for name, value in given.items():
-        if (reason := refusal(name, value, args.model)) is not None:
-            raise ValueError(f"{_as_typed(name, value)} is not supported: {reason}")
-    return given
+    return neutral_values(
+        args, VLLM_ONLY_ARGS, _VLLM_ONLY_DEST, lambda name, value: refusal(name, value, args.model)
+    )
 
 
-def _as_typed(name: str, value: Any) -> str:
+def _as_typed(name: str, rule: Neutral, value: Any) -> str:
     """The flag as the command line gave it: ``-tp 2`` is ``--tensor-parallel-size 2``."""
-    rule = VLLM_ONLY_ARGS[name]
     flag = vllm_flags(name, rule)[0]
     if rule.is_switch:
         return flag if value else f"--no-{flag[2:]}"
-    return f"{flag} {value}"
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

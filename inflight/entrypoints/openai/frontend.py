@@ -22,57 +22,53 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inflight.vllm_engine_args import Accepts, Neutral, optional_str
+from inflight.bench.cli_types import int_at_least
+from inflight.entrypoints.engine_args import add_neutral_args, neutral_values
+from inflight.vllm_engine_args import IS_BOOL, Accepts, Neutral, equals, optional_str
 
 logger = logging.getLogger(__name__)
 
 _DEST = "vllm_frontend_"
 
 
-def _is(*values: Any) -> Accepts:
-    return Accepts(lambda value: value in values, " or ".join(json.dumps(v) for v in values))
-
-
-# Flags vLLM gives one or more values (``--lora-modules a=path b=path``).
-_SEVERAL_VALUES = frozenset({"lora_modules"})
-_EITHER = Accepts(lambda value: isinstance(value, bool), "either way")
 # vLLM's front-end flags that mean nothing here: accepted at these values only.
 NEUTRAL_FRONTEND_ARGS: dict[str, Neutral] = {
     "api_server_count": Neutral(
-        _is(1), "one API server process serves here (scale out: --data-parallel-backend ray)",
+        equals(1), "one API server process serves here (scale out: --data-parallel-backend ray)",
         int, ("-asc",)),
-    "headless": Neutral(_is(False), "inflight always serves HTTP"),
-    "grpc": Neutral(_is(False), "inflight serves HTTP only"),
-    "grpc_port": Neutral(_is(None), "inflight serves HTTP only", optional_str),
-    "lora_modules": Neutral(_is(None), "LoRA adapters are not supported", optional_str),
-    "tool_parser_plugin": Neutral(_is(""), "the hermes parser is built in; no plugins", str),
-    "tool_server": Neutral(_is(None), "built-in tool servers are not supported", optional_str),
-    "tokens_only": Neutral(_is(False), "every route serves text as well as tokens"),
-    "enable_scale_out": Neutral(_is(False), "scale out with --data-parallel-backend ray"),
+    "headless": Neutral(equals(False), "inflight always serves HTTP"),
+    "grpc": Neutral(equals(False), "inflight serves HTTP only"),
+    "grpc_port": Neutral(equals(None), "inflight serves HTTP only", optional_str),
+    "lora_modules": Neutral(
+        equals(None), "LoRA adapters are not supported", optional_str, several=True),
+    "tool_parser_plugin": Neutral(equals(""), "the hermes parser is built in; no plugins", str),
+    "tool_server": Neutral(equals(None), "built-in tool servers are not supported", optional_str),
+    "tokens_only": Neutral(equals(False), "every route serves text as well as tokens"),
+    "enable_scale_out": Neutral(equals(False), "scale out with --data-parallel-backend ray"),
     "enable_ssl_refresh": Neutral(
-        _is(False), "certificates are read once, at start-up (restart to renew them)"),
-    "enable_tokenizer_info_endpoint": Neutral(_is(False), "there is no /tokenizer_info route"),
+        equals(False), "certificates are read once, at start-up (restart to renew them)"),
+    "enable_tokenizer_info_endpoint": Neutral(equals(False), "there is no /tokenizer_info route"),
     "enable_server_load_tracking": Neutral(
-        _is(False), "there is no /load route (the load is at /metrics: num_requests_running)"),
-    "enable_per_request_metrics": Neutral(_is(False), "per-request figures are at /metrics"),
-    "trust_request_mm_kwargs": Neutral(_EITHER, "this model reads text only"),
+        equals(False), "there is no /load route (the load is at /metrics: num_requests_running)"),
+    "enable_per_request_metrics": Neutral(equals(False), "per-request figures are at /metrics"),
+    "trust_request_mm_kwargs": Neutral(IS_BOOL, "this model reads text only"),
     "enable_prompt_tokens_details": Neutral(
-        _EITHER, "usage.prompt_tokens_details (cached_tokens) is always filled, as OpenAI's"),
+        IS_BOOL, "usage.prompt_tokens_details (cached_tokens) is always filled, as OpenAI's"),
     "enable_log_outputs": Neutral(
-        _is(False), "the request log (--enable-log-requests) carries no texts"),
-    "enable_log_deltas": Neutral(_EITHER, "the request log carries no texts"),
+        equals(False), "the request log (--enable-log-requests) carries no texts"),
+    "enable_log_deltas": Neutral(IS_BOOL, "the request log carries no texts"),
     "max_log_len": Neutral(
         Accepts(lambda value: value is None or value >= 0, "any length"),
         "the request log carries no prompt text to cut", int),
-    "log_error_stack": Neutral(_EITHER, "an error's stack is logged at DEBUG"),
+    "log_error_stack": Neutral(IS_BOOL, "an error's stack is logged at DEBUG"),
     "sse_keep_alive_interval": Neutral(
-        _is(0), "streams send no keep-alive comments", int),
+        equals(0), "streams send no keep-alive comments", int),
     "tool_strict_level": Neutral(
-        _is("auto"), "a forced call follows its function's schema (a grammar)", str),
+        equals("auto"), "a forced call follows its function's schema (a grammar)", str),
     "h11_max_header_count": Neutral(
-        _is(256), "uvicorn's h11 protocol has no header-count limit to set", int),
-    "enable_offline_docs": Neutral(_EITHER, "the /docs pages load FastAPI's assets"),
-    "fingerprint_mode": Neutral(_is("full", "none"), "system_fingerprint is left null", str),
+        equals(256), "uvicorn's h11 protocol has no header-count limit to set", int),
+    "enable_offline_docs": Neutral(IS_BOOL, "the /docs pages load FastAPI's assets"),
+    "fingerprint_mode": Neutral(equals("full", "none"), "system_fingerprint is left null", str),
 }
 
 
@@ -128,30 +124,22 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "--disable-access-log-for-endpoints", default=None, metavar="PATHS",
         help="comma-separated paths left out of the access log, e.g. /health,/metrics")
     group.add_argument(
-        "--h11-max-incomplete-event-size", type=_positive_int, default=4 * 1024 * 1024,
+        "--h11-max-incomplete-event-size", type=int_at_least(1), default=4 * 1024 * 1024,
         help="largest incomplete HTTP event (headers or body) in bytes (default 4 MiB)")
-    for name, rule in NEUTRAL_FRONTEND_ARGS.items():
-        flags = ["--" + name.replace("_", "-"), *rule.aliases]
-        kind: dict[str, Any] = (
-            {"action": argparse.BooleanOptionalAction} if rule.is_switch
-            else {"type": rule.parse, "metavar": "VALUE"}
-        )
-        if name in _SEVERAL_VALUES:  # vLLM's nargs="+": refused by name, not "unrecognized"
-            kind["nargs"] = "+"
-        group.add_argument(*flags, dest=_DEST + name, default=argparse.SUPPRESS,
-                           help=f"accepted as {rule.accepts.text}, with no effect: {rule.note}",
-                           **kind)
+    add_neutral_args(
+        parser, NEUTRAL_FRONTEND_ARGS, _DEST,
+        "vLLM's HTTP front-end flags with no effect here (accepted at the values shown, "
+        "refused with the reason at any other)",
+    )
 
 
 def frontend_config(args: argparse.Namespace) -> FrontendConfig:
     """The flags checked (``ValueError`` naming the flag) and read into a config."""
-    for name, rule in NEUTRAL_FRONTEND_ARGS.items():
-        if hasattr(args, _DEST + name):
-            value = getattr(args, _DEST + name)
-            if not rule.accepts(value):
-                flag = "--" + name.replace("_", "-")
-                given = " ".join(value) if isinstance(value, list) else value
-                raise ValueError(f"{flag} {given} is not supported: {rule.note}")
+    neutral_values(
+        args, NEUTRAL_FRONTEND_ARGS, _DEST,
+        lambda name, value: None if NEUTRAL_FRONTEND_ARGS[name].accepts(value)
+        else NEUTRAL_FRONTEND_ARGS[name].note,
+    )
     uvicorn: dict[str, Any] = {"h11_max_incomplete_event_size": args.h11_max_incomplete_event_size}
     if args.ssl_keyfile or args.ssl_certfile:
         for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
@@ -290,14 +278,4 @@ def _json_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} (write '[\"*\"]')") from None
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
